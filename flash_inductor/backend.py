@@ -1,0 +1,103 @@
+"""The ``flashoptim`` torch.compile backend.
+
+    Dynamo graph ─ roles ─ torch-level passes ─ AOTAutograd + Inductor (aten-level passes) ─ code
+
+Found by name through the ``torch_dynamo_backends`` entry point, so
+``torch.compile(fn, backend="flashoptim", options={...})`` works without importing this package.
+"""
+
+import dataclasses
+import functools
+import itertools
+
+import torch
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+from flash_inductor import graph_utils, inspection, roles
+from flash_inductor.options import Options
+from flash_inductor.pipeline import AtenPasses, PassContext, run_torch_passes
+
+_graph_ids = itertools.count()
+
+
+def flashoptim_backend(gm, example_inputs, *, options=None, mode=None):
+    """Dynamo backend entry point. ``options`` come from ``torch.compile(..., options=...)``."""
+    if mode not in (None, "default"):
+        raise ValueError(
+            f"flashoptim: mode={mode!r} is not supported; pass Inductor settings as options={{'inductor': {{...}}}}"
+        )
+    return compile_graph(gm, example_inputs, Options.from_dict(options))
+
+
+def compile(fn=None, **options):
+    """``torch.compile(fn, backend="flashoptim", options=options)`` as a function (or decorator)."""
+    Options.from_dict(options)  # fail early on bad options
+    if fn is None:
+        return functools.partial(compile, **options)
+    return torch.compile(fn, backend=flashoptim_backend, options=options or None)
+
+
+@dataclasses.dataclass
+class Rewritten:
+    graph_module: torch.fx.GraphModule
+    bound_inputs: list  # tensors the passes added as placeholders, appended at run time
+    rewritten: dict  # pass name -> rewritten node names
+    context: PassContext
+    name: str
+
+
+def rewrite(gm, example_inputs, options: Options) -> Rewritten:
+    """Roles, then the torch-level passes on a Dynamo graph."""
+    from flash_inductor import passes
+
+    graph_roles = roles.find_roles(gm, example_inputs)
+    written = roles.mutated_inputs(gm.graph)
+    is_step = any(r.kind == roles.PARAM and n in written for n, r in graph_roles.items())
+    name = f"graph_{next(_graph_ids)}"
+    record = inspection.new_graph_record(name, "optimizer step" if is_step else "model", graph_roles, options)
+    ctx = PassContext(graph_roles, written, options, record)
+    new_gm, rewritten = run_torch_passes(gm, example_inputs, passes.TORCH_PASSES, ctx, name)
+    return Rewritten(new_gm, graph_utils.bound_inputs(new_gm), rewritten, ctx, name)
+
+
+def compile_graph(gm, example_inputs, options: Options):
+    from flash_inductor import passes
+
+    result = rewrite(gm, example_inputs, options)
+    if options.compiler == "eager":
+        compiled = result.graph_module.forward
+    else:
+        compiled = _inductor(result, list(example_inputs) + result.bound_inputs, passes.ATEN_PASSES)
+    if not result.bound_inputs:
+        return compiled
+
+    def run_with_bound_inputs(*args):
+        return compiled(*args, *result.bound_inputs)
+
+    return run_with_bound_inputs
+
+
+def _inductor(result: Rewritten, example_inputs, aten_passes):
+    ctx, record = result.context, result.context.recorder
+    patches = dict(ctx.options.inductor)
+    if result.rewritten:
+        # The passes' numerics round to bf16/fp16 inside fused kernels; Inductor would otherwise
+        # keep the fp32 value there (DESIGN.md §3, pitfall).
+        patches["emulate_precision_casts"] = True
+    post_grad = AtenPasses(aten_passes, ctx, result.name)
+    if post_grad.passes:
+        patches["post_grad_custom_post_pass"] = post_grad
+    if record is not None:
+        patches.update(inspection.uncached_config())
+
+    def inner_compile(aot_gm, aot_inputs, **kwargs):
+        subgraph = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        with inspection.compiling_subgraph(record, subgraph):
+            return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
+
+    return compile_fx(
+        result.graph_module,
+        example_inputs,
+        inner_compile=inner_compile if record is not None else compile_fx_inner,
+        config_patches=patches or None,
+    )

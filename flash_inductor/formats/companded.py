@@ -1,0 +1,108 @@
+"""Companded 8-bit optimizer states with one fp16 scale per group of 32 elements.
+
+DESIGN.md §2.2. The tensor is flattened and cut into groups of ``GROUP_SIZE`` (a partial last
+group is padded with zeros); each group stores ``scale = fp16(max(absmax, 1e-12))``.
+
+Signed states (momentum, Adam's first moment) use a softsign compander, which spends more codes
+near zero where most values are:
+
+    u = x / scale;  y = 2u / (1 + |u|);  q = floor(127 y + 0.5)            (int8)
+    decode: y = q / 127;  u = y / (2 - |y|);  x = u * scale
+
+Second moments store ``s = sqrt(v)`` linearly, which halves the dynamic range to cover:
+
+    u = s / scale(s);  q = floor(255 u + 0.5)                              (uint8)
+    decode: v = (q / 255 * scale) ** 2
+
+Encoding divides by the *stored* fp16 scale (the ``scale`` of DESIGN §2.2 is the fp16 one), so the
+codes are relative to exactly what decode multiplies by. FlashOptim instead divides by the fp32
+absmax and only rounds the scale when storing it; the two differ only by the fp16 rounding of the
+scale (at most 2**-11 relative for normal fp16 scales, i.e. a code step at most). All arithmetic is
+fp32; tests/test_formats.py checks codes against an fp64 reference (equal, or one code step apart at
+a rounding boundary) and decode bit for bit against an fp32 op-by-op reference.
+
+Edge cases:
+- A partial last group is padded with zeros (codes 0); an all-zero group stores scale 0, codes 0.
+- absmax is clamped to >= 1e-12 in fp32 (DESIGN), which fp16 rounds to 0: a group whose absmax
+  rounds to fp16 zero (absmax <= 2**-25) stores scale 0 and codes 0, and decodes to zeros. A scale
+  in fp16's subnormal range (absmax < 2**-14) keeps only a few bits; values above the rounded scale
+  saturate at the top code.
+- Finite absmax beyond fp16's max (65504) stores scale 65504; codes saturate at +-127 / 255.
+- A group holding inf or nan stores a nan scale and codes 0, so the whole group decodes to nan
+  (loud, like fp32 state would be; never garbage codes from a nan-to-int cast).
+"""
+
+import torch
+
+GROUP_SIZE = 32
+SCALE_FLOOR = 1e-12
+_FP16_MAX = torch.finfo(torch.float16).max
+
+SIGNED = "signed"  # int8 softsign codes
+SQRT = "sqrt"  # uint8 linear codes of sqrt(v)
+CODE_DTYPES = {SIGNED: torch.int8, SQRT: torch.uint8}
+
+
+def num_groups(numel):
+    return -(-numel // GROUP_SIZE)
+
+
+def _groups(x):
+    """fp32 view of ``x`` as [groups, GROUP_SIZE], zero-padded."""
+    flat = x.float().reshape(-1)
+    pad = (-flat.numel()) % GROUP_SIZE
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(-1, GROUP_SIZE)
+
+
+def _scales(groups):
+    """fp16 group scales and their fp32 value (zero where fp16 underflows, nan for inf/nan groups)."""
+    absmax = groups.abs().amax(dim=1, keepdim=True)  # nan if the group holds a nan
+    scale = absmax.clamp(min=SCALE_FLOOR, max=_FP16_MAX)
+    scale = torch.where(torch.isinf(absmax), torch.full_like(scale, float("nan")), scale)
+    scale = scale.to(torch.float16)
+    return scale.view(-1), scale.float()
+
+
+def _safe_div(x, scale):
+    """``x / scale``, and 0 where the scale is 0 (underflow) or nan (non-finite group)."""
+    return torch.where(scale > 0, x / scale, torch.zeros_like(x))
+
+
+def encode(x, kind):
+    """Encode fp32-valued ``x`` as ``(codes, scales)``: flat codes of length groups*32, fp16 scales.
+
+    ``kind`` is ``SIGNED`` (x any sign) or ``SQRT`` (x is a second moment, >= 0).
+    """
+    if kind == SIGNED:
+        groups = _groups(x)
+        scale16, scale = _scales(groups)
+        u = _safe_div(groups, scale)
+        y = 2 * u / (1 + u.abs())
+        codes = torch.floor(127 * y + 0.5).clamp(-127, 127).to(torch.int8)
+    elif kind == SQRT:
+        groups = _groups(x).clamp(min=0).sqrt()
+        scale16, scale = _scales(groups)
+        u = _safe_div(groups, scale)
+        codes = torch.floor(255 * u + 0.5).clamp(0, 255).to(torch.uint8)
+    else:
+        raise ValueError(f"unknown companded state kind {kind!r}; expected {SIGNED!r} or {SQRT!r}")
+    return codes.view(-1), scale16
+
+
+def decode(codes, scales, shape, kind):
+    """fp32 tensor of ``shape`` from ``(codes, scales)``."""
+    scale = scales.float().view(-1, 1)
+    q = codes.view(-1, GROUP_SIZE).float()
+    if kind == SIGNED:
+        y = q / 127
+        x = y / (2 - y.abs()) * scale
+    elif kind == SQRT:
+        x = (q / 255 * scale) ** 2
+    else:
+        raise ValueError(f"unknown companded state kind {kind!r}; expected {SIGNED!r} or {SQRT!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    return x.view(-1)[:numel].view(shape)

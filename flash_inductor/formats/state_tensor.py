@@ -1,0 +1,149 @@
+"""Optimizer-state tensors whose storage is not what they present.
+
+A ``StateTensor`` presents itself as a dense tensor of the parameter's shape and dtype, so stock
+``torch.optim`` code and Dynamo trace it unchanged, while it stores:
+
+- ``CompandedState``: companded 8-bit codes + fp16 group scales (``formats.companded``);
+- ``Fp32State``: plain fp32 values (unquantized states of bf16/fp16 parameters).
+
+Inside graphs compiled by the ``flashoptim`` backend the pass ``companded_states`` decodes each
+state once at the start of the step (``decode``) and writes it back once at the end
+(``store``), so a step rounds each state exactly once. Used eagerly outside such a graph, each
+operation decodes, runs in fp32 and re-encodes in-place results: correct, but it rounds once per
+in-place op.
+
+AOTAutograd sees through them (``__tensor_flatten__``): the compiled graph takes the inner
+tensors (codes and scales, or values) as inputs.
+"""
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from . import companded
+
+
+class StateTensor(torch.Tensor):
+    """Base: subclasses define ``_inner`` names, ``decode()``, ``store(value)`` and ``_meta()``."""
+
+    _inner: tuple = ()
+
+    @staticmethod
+    def __new__(cls, *inner_and_meta, shape, dtype):
+        device = inner_and_meta[0].device
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+
+    def __tensor_flatten__(self):
+        return list(self._inner), (self._meta(), self.shape, self.dtype)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        extra, shape, dtype = meta
+        return cls(*(inner[k] for k in cls._inner), *extra, shape=shape, dtype=dtype)
+
+    def _rebuild(self, fn):
+        """The same state with ``fn`` applied to each inner tensor."""
+        return type(self)(*(fn(getattr(self, k)) for k in self._inner), *self._meta(), shape=self.shape, dtype=self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        first = args[0] if args else None
+        if func is aten.detach.default:
+            return first._rebuild(lambda t: t)
+        if func is aten.copy_.default and type(args[1]) is type(first) and first._meta() == args[1]._meta():
+            for k in first._inner:
+                getattr(first, k).copy_(getattr(args[1], k))
+            return first
+        if func is aten._to_copy.default and isinstance(first, StateTensor) and kwargs.keys() <= {"device"}:
+            # state.to(device): move the stored form, not a decoded copy.
+            return first._rebuild(lambda t: t.to(kwargs.get("device", t.device)))
+
+        # Eager fallback: everything in fp32 (states decoded, other float tensors upcast), in-place
+        # results re-encoded, other results returned in the dtype the state presents.
+        def fp32(t):
+            if isinstance(t, StateTensor):
+                return t.decode()
+            return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        out = func(*tree_map(fp32, args), **tree_map(fp32, kwargs))
+        written = [
+            a for a, schema_arg in zip(args, func._schema.arguments)
+            if isinstance(a, StateTensor) and schema_arg.alias_info is not None and schema_arg.alias_info.is_write
+        ]
+        if written:
+            for state in written:
+                state.store(out)
+            return written[0]
+        dtype = next(a.dtype for a in tree_flatten((args, kwargs))[0] if isinstance(a, StateTensor))
+        return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
+
+
+class CompandedState(StateTensor):
+    """Companded 8-bit codes with one fp16 scale per group of 32 (``formats.companded``)."""
+
+    _inner = ("codes", "scales")
+
+    def __init__(self, codes, scales, kind, *, shape, dtype):
+        self.codes = codes
+        self.scales = scales
+        self.kind = kind
+
+    def _meta(self):
+        return (self.kind,)
+
+    @classmethod
+    def encode(cls, x, kind, dtype=None):
+        """A new state holding ``x``; it presents as ``dtype`` (default: x's)."""
+        codes, scales = companded.encode(x, kind)
+        return cls(codes, scales, kind, shape=x.shape, dtype=dtype or x.dtype)
+
+    @classmethod
+    def zeros(cls, like, kind):
+        """The all-zero state for parameter ``like``, allocated directly as codes and scales."""
+        groups = companded.num_groups(like.numel())
+        codes = torch.zeros(groups * companded.GROUP_SIZE, dtype=companded.CODE_DTYPES[kind], device=like.device)
+        scales = torch.full((groups,), companded.SCALE_FLOOR, dtype=torch.float16, device=like.device)
+        return cls(codes, scales, kind, shape=like.shape, dtype=like.dtype)
+
+    def decode(self):
+        """The state's value in fp32."""
+        return companded.decode(self.codes, self.scales, self.shape, self.kind)
+
+    def store(self, value):
+        """Encode ``value`` into this state's storage (one rounding)."""
+        codes, scales = companded.encode(value, self.kind)
+        self.codes.copy_(codes)
+        self.scales.copy_(scales)
+
+    def __repr__(self):
+        return f"CompandedState(kind={self.kind!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+class Fp32State(StateTensor):
+    """An unquantized state kept in fp32 for a bf16/fp16 parameter."""
+
+    _inner = ("values",)
+
+    def __init__(self, values, *, shape, dtype):
+        self.values = values
+
+    def _meta(self):
+        return ()
+
+    @classmethod
+    def encode(cls, x, dtype=None):
+        return cls(x.detach().float().clone(), shape=x.shape, dtype=dtype or x.dtype)
+
+    @classmethod
+    def zeros(cls, like):
+        return cls(torch.zeros(like.shape, dtype=torch.float32, device=like.device), shape=like.shape, dtype=like.dtype)
+
+    def decode(self):
+        return self.values
+
+    def store(self, value):
+        self.values.copy_(value)
+
+    def __repr__(self):
+        return f"Fp32State(shape={tuple(self.shape)}, dtype={self.dtype})"

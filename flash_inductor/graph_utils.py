@@ -1,0 +1,103 @@
+"""Small FX helpers shared by the passes and the pipeline."""
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# Placeholders a pass adds carry the runtime tensor they stand for under this meta key; the
+# backend appends those tensors to the arguments of the compiled graph.
+BOUND_INPUT = "flashoptim_bound_input"
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule with a copy of ``gm``'s graph, so a pass never edits its input."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph, gm.__class__.__name__)
+
+
+def input_nodes(graph: fx.Graph):
+    return [n for n in graph.nodes if n.op in ("placeholder", "get_attr")]
+
+
+def output_node(graph: fx.Graph):
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def add_bound_placeholder(graph: fx.Graph, name, tensor):
+    """Append a placeholder for ``tensor``, which the backend passes in at run time."""
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        node = graph.placeholder(name)
+    node.meta[BOUND_INPUT] = tensor
+    return node
+
+
+def bound_inputs(gm: fx.GraphModule):
+    """The runtime tensors of placeholders added by passes, in placeholder order."""
+    return [n.meta[BOUND_INPUT] for n in gm.graph.nodes if n.op == "placeholder" and BOUND_INPUT in n.meta]
+
+
+def work_on_decoded_copy(graph: fx.Graph, node: fx.Node, decode, store, extra=(), suffix="fp32"):
+    """Make every use of the stored input ``node`` use ``decode(node, *extra)`` instead, and write
+    the result back once at the end with ``store(node, *extra, decoded)`` (unless ``store`` is
+    None: a read-only input).
+
+    The decode goes right before the first use and the store right after the last one: inputs
+    stay first, the decoded value lives no longer than needed, and both run under the grad mode
+    of the code they replace (an optimizer step's ``no_grad`` region ends inside its graph).
+    """
+    position = _position(graph)
+    first_use = min(node.users, key=position)
+    with graph.inserting_before(first_use):
+        decoded = graph.create_node("call_function", decode, (node, *extra), name=f"{node.name}_{suffix}")
+    node.replace_all_uses_with(decoded, delete_user_cb=lambda user: user is not decoded)
+    if store is not None:
+        last_use = max(decoded.users, key=position)
+        where = graph.inserting_before(last_use) if last_use.op == "output" else graph.inserting_after(last_use)
+        with where:
+            graph.call_function(store, (node, *extra, decoded))
+    return decoded
+
+
+def _position(graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+class _FakeProp(fx.Interpreter):
+    """Runs a Dynamo-level graph on fake copies of its real inputs."""
+
+    def __init__(self, gm, mode, overwrite):
+        super().__init__(gm)
+        self.mode = mode
+        self.overwrite = overwrite
+
+    def placeholder(self, target, args, kwargs):
+        value = self.node.meta[BOUND_INPUT] if BOUND_INPUT in self.node.meta else next(self.args_iter)
+        return self.mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+    def get_attr(self, target, args, kwargs):
+        return self.mode.from_tensor(super().get_attr(target, args, kwargs))
+
+    def run_node(self, n):
+        self.node = n
+        with self.mode:
+            value = super().run_node(n)
+        if n.op != "output" and (self.overwrite or "example_value" not in n.meta):
+            n.meta["example_value"] = value
+        return value
+
+
+def propagate_fake(gm: fx.GraphModule, example_inputs, overwrite=False):
+    """Run ``gm`` on fake tensors: raises where a rewritten graph is inconsistent, and gives nodes
+    without one (or all, with ``overwrite``) an ``example_value``: dtype and shape."""
+    _FakeProp(gm, FakeTensorMode(allow_non_fake_inputs=True), overwrite).run(*example_inputs)
+
+
+def readable_code(gm: fx.GraphModule, example_inputs):
+    """``gm`` as Python annotated with each value's dtype, shape and device as it is after the
+    passes (Dynamo's annotations of rewritten nodes are stale)."""
+    annotated = copy_graph_module(gm)
+    propagate_fake(annotated, example_inputs, overwrite=True)
+    return annotated.print_readable(print_output=False, include_device=True)

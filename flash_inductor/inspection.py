@@ -1,0 +1,184 @@
+"""What the backend did, as readable Python: every graph before and after every pass.
+
+``flash_inductor.inspect(fn, *args)`` runs ``fn`` once through the backend and returns a
+``Report``. ``FLASHOPTIM_DUMP=folder`` (or the option ``dump``) writes the same files for every
+graph any compiled program produces.
+"""
+
+import contextlib
+import dataclasses
+import os
+
+import torch
+from torch._inductor.graph import GraphLowering
+
+_active = []  # Report objects collecting right now (inspect() calls)
+
+
+@dataclasses.dataclass
+class Stage:
+    level: str  # "torch" or "aten"
+    subgraph: str  # "dynamo", "forward", "backward" or "inference"
+    name: str  # "captured", "post_grad" or a pass name
+    code: str
+    rewritten: list = dataclasses.field(default_factory=list)
+
+    @property
+    def filename(self):
+        return f"{self.subgraph}.{self.name}.py"
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """One Dynamo graph: its stages and the code Inductor generated for it."""
+
+    name: str
+    kind: str  # "optimizer step" or "model"
+    roles: dict
+    stages: list = dataclasses.field(default_factory=list)
+    kernels: dict = dataclasses.field(default_factory=dict)  # subgraph -> generated code
+    subgraph: str = "dynamo"
+    dump_dir: str | None = None
+
+    def stage(self, level, name, code, rewritten=()):
+        stage = Stage(level, self.subgraph, name, code, list(rewritten))
+        self.stages.append(stage)
+        self._dump(stage.filename, code)
+
+    def add_kernel_code(self, code):
+        self.kernels[self.subgraph] = self.kernels.get(self.subgraph, "") + code
+        self._dump(f"{self.subgraph}.inductor_output.py", self.kernels[self.subgraph])
+
+    @property
+    def kernel_backends(self):
+        code = "\n".join(self.kernels.values())
+        found = []
+        if "@triton.jit" in code:
+            found.append("triton")
+        if "cpp_fused" in code or "extern \"C\"" in code:
+            found.append("cpp")
+        return found
+
+    def _dump(self, filename, code):
+        if self.dump_dir:
+            folder = os.path.join(self.dump_dir, self.name)
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, filename), "w") as f:
+                f.write(code)
+
+
+class Report:
+    """Every graph captured while the inspected function ran."""
+
+    def __init__(self):
+        self.graphs: list[GraphRecord] = []
+        self.memory = []  # flash_inductor.memory.MemoryReport of each prepared optimizer
+
+    def summary_rows(self):
+        rows = []
+        for g in self.graphs:
+            for s in g.stages:
+                if s.name not in ("captured", "post_grad"):
+                    rows.append((g.name, g.kind, f"{s.level}:{s.subgraph}", s.name, len(s.rewritten)))
+        return rows
+
+    def summary(self):
+        header = ("graph", "kind", "level", "pass", "rewritten")
+        rows = [header] + [tuple(str(c) for c in r) for r in self.summary_rows()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        for g in self.graphs:
+            lines.append(f"{g.name}: kernels generated: {', '.join(g.kernel_backends) or 'none'}")
+        for memory in self.memory:
+            lines += ["", str(memory)]
+        return "\n".join(lines)
+
+    def __str__(self):
+        parts = [self.summary()]
+        for g in self.graphs:
+            for s in g.stages:
+                title = f"==== {g.name} ({g.kind}) {s.level}:{s.subgraph} after {s.name}"
+                if s.rewritten:
+                    title += f" (rewrote {', '.join(s.rewritten)})"
+                parts += ["", title, s.code.rstrip()]
+        return "\n".join(parts)
+
+    def graph(self, kind):
+        """The first graph of ``kind`` ("optimizer step" or "model")."""
+        return next(g for g in self.graphs if g.kind == kind)
+
+    def save(self, folder):
+        """Write one file per graph and stage, the generated code, and ``summary.txt``."""
+        os.makedirs(folder, exist_ok=True)
+        for g in self.graphs:
+            g.dump_dir = folder
+            for s in g.stages:
+                g._dump(s.filename, s.code)
+            for subgraph, code in g.kernels.items():
+                g._dump(f"{subgraph}.inductor_output.py", code)
+        with open(os.path.join(folder, "summary.txt"), "w") as f:
+            f.write(self.summary() + "\n")
+        return folder
+
+
+def new_graph_record(name, kind, roles, options):
+    """A record for a graph being compiled, or None when nobody is inspecting or dumping."""
+    if not _active and not options.dump:
+        return None
+    record = GraphRecord(name, kind, {k: r.describe() for k, r in roles.items()})
+    record.dump_dir = options.dump
+    for report in _active:
+        report.graphs.append(record)
+    return record
+
+
+@contextlib.contextmanager
+def compiling_subgraph(record, subgraph):
+    """Attribute aten-level stages and generated code to ``subgraph`` while Inductor compiles it."""
+    if record is None:
+        yield
+        return
+    previous = record.subgraph
+    record.subgraph = subgraph
+    original = GraphLowering.save_output_code
+    GraphLowering.save_output_code = staticmethod(record.add_kernel_code)
+    try:
+        yield
+    finally:
+        GraphLowering.save_output_code = original
+        record.subgraph = previous
+
+
+def uncached_config():
+    """Inductor/AOT cache settings under which every pass really runs (a cache hit skips them)."""
+    return {"fx_graph_cache": False, "fx_graph_remote_cache": False}
+
+
+@contextlib.contextmanager
+def collecting(report):
+    _active.append(report)
+    try:
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            yield report
+    finally:
+        _active.remove(report)
+
+
+def inspect(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` once through the backend and return a ``Report``.
+
+    ``fn`` may be a plain function (compiled here with ``backend="flashoptim"``) or one already
+    compiled with it (its options are kept). Dynamo's caches are reset first, so every graph is
+    captured and every pass really runs: other compiled functions recompile on their next call.
+    """
+    from flash_inductor import memory, roles
+    from flash_inductor.backend import compile as compile_with_backend
+
+    report = Report()
+    target = fn if hasattr(fn, "_torchdynamo_orig_callable") else compile_with_backend(fn)
+    torch._dynamo.reset()
+    with collecting(report):
+        target(*args, **kwargs)
+    report.memory = [memory.memory_report(None, opt) for opt in list(roles.PREPARED.keys())]
+    return report

@@ -1,0 +1,65 @@
+"""Bytes per parameter of a prepared optimizer, read off the tensors that actually hold them."""
+
+import dataclasses
+
+import torch
+
+from flash_inductor import roles
+from flash_inductor.formats.state_tensor import CompandedState, Fp32State
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    optimizer: str
+    num_params: int  # number of parameter elements
+    bytes: dict  # component -> bytes: weights, error_terms, states, state_scales, grads
+
+    def per_param(self):
+        return {k: v / self.num_params for k, v in self.bytes.items()}
+
+    @property
+    def total_per_param(self):
+        return sum(self.bytes.values()) / self.num_params
+
+    def __str__(self):
+        per = self.per_param()
+        parts = ", ".join(f"{k} {v:.4g}" for k, v in per.items())
+        return (
+            f"{self.optimizer}: {self.num_params:,} parameters; bytes/param: {parts}; "
+            f"total {self.total_per_param:.4g}"
+        )
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+def memory_report(model, optimizer):
+    """Bytes by component for the parameters of ``optimizer`` (prepared or stock).
+
+    ``grads`` counts the gradient tensors present now, or, when none are allocated (after
+    ``zero_grad``), what they will take: one gradient of each parameter's dtype. ``model`` may be
+    None; when given, it must own the optimizer's parameters.
+    """
+    record = roles.PREPARED.get(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if model is not None:
+        owned = {id(p) for p in model.parameters()}
+        foreign = sum(id(p) not in owned for p in params)
+        if foreign:
+            raise ValueError(f"memory_report: {foreign} optimizer parameters are not parameters of the model")
+    sizes = dict.fromkeys(("weights", "error_terms", "states", "state_scales", "grads"), 0)
+    for p in params:
+        sizes["weights"] += _nbytes(p)
+        sizes["grads"] += _nbytes(p.grad) if p.grad is not None else _nbytes(p)
+        if record is not None and record.error_term(p) is not None:
+            sizes["error_terms"] += _nbytes(record.error_term(p))
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, CompandedState):
+                sizes["states"] += _nbytes(value.codes)
+                sizes["state_scales"] += _nbytes(value.scales)
+            elif isinstance(value, Fp32State):
+                sizes["states"] += _nbytes(value.values)
+            elif isinstance(value, torch.Tensor) and key != "step":
+                sizes["states"] += _nbytes(value)
+    return MemoryReport(type(optimizer).__name__, sum(p.numel() for p in params), sizes)

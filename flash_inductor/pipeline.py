@@ -1,0 +1,127 @@
+"""Runs the passes: torch-level on the Dynamo graph, aten-level inside Inductor.
+
+A pass is a pure function ``(graph, ctx) -> (new graph, names of rewritten nodes)``: it returns
+its input unchanged when its pattern is absent. A pass that raises, or whose output does not
+type-check on fake tensors, is skipped with a warning naming it; the graph then compiles without
+that rewrite, never with a half-done one.
+"""
+
+import dataclasses
+import hashlib
+import inspect
+import sys
+import warnings
+from typing import Callable
+
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from flash_inductor import graph_utils
+
+TORCH = "torch"
+ATEN = "aten"
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPass:
+    name: str
+    level: str  # TORCH or ATEN
+    fn: Callable
+
+    def source(self):
+        return inspect.getsource(sys.modules[self.fn.__module__])
+
+
+@dataclasses.dataclass
+class PassContext:
+    roles: dict  # input node name -> flash_inductor.roles.Role (torch level)
+    written: set  # names of the inputs the captured graph writes in place
+    options: object  # flash_inductor.options.Options
+    recorder: object = None  # flash_inductor.inspection.GraphRecorder, when inspecting
+
+
+class PassFailed(Warning):
+    pass
+
+
+def _warn_skipped(graph_pass, graph_name, error):
+    warnings.warn(
+        f"flashoptim: pass '{graph_pass.name}' skipped on graph {graph_name}: "
+        f"{type(error).__name__}: {error}. The graph compiles without this rewrite.",
+        PassFailed,
+        stacklevel=3,
+    )
+
+
+def run_torch_passes(gm: fx.GraphModule, example_inputs, passes, ctx, graph_name):
+    """Apply the enabled torch-level passes in order; each result must type-check on fake tensors."""
+    rewritten = {}
+    if ctx.recorder:
+        ctx.recorder.stage(TORCH, "captured", graph_utils.readable_code(gm, example_inputs))
+    for graph_pass in passes:
+        if not ctx.options.enabled(graph_pass.name):
+            continue
+        try:
+            new_gm, names = graph_pass.fn(gm, ctx)
+            if new_gm is not gm:
+                graph_utils.propagate_fake(new_gm, example_inputs)
+        except Exception as error:  # noqa: BLE001 - any failure means: compile without this pass
+            _warn_skipped(graph_pass, graph_name, error)
+            continue
+        gm = new_gm
+        if names:
+            rewritten[graph_pass.name] = names
+        if ctx.recorder:
+            ctx.recorder.stage(TORCH, graph_pass.name, graph_utils.readable_code(gm, example_inputs), names)
+    return gm, rewritten
+
+
+def _assign_graph(dst: fx.Graph, src: fx.Graph):
+    """Make ``dst`` (owned by Inductor) hold the nodes of ``src``."""
+    for node in reversed(list(dst.nodes)):
+        dst.erase_node(node)
+    dst.output(dst.graph_copy(src, {}))
+
+
+class AtenPasses(CustomGraphPass):
+    """The aten-level passes as one Inductor post-grad custom pass.
+
+    torch 2.11 accepts one pass object per hook, so all sub-passes run from here. ``uuid`` hashes
+    the sources of the passes and the options they read, so Inductor's FX graph cache never
+    returns a graph compiled with other passes or options.
+    """
+
+    def __init__(self, passes, ctx, graph_name):
+        self.passes = [p for p in passes if ctx.options.enabled(p.name)]
+        self.ctx = ctx
+        self.graph_name = graph_name
+        self.rewritten = {}
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.ctx.recorder:
+            self.ctx.recorder.stage(ATEN, "post_grad", _graph_code(graph))
+        for graph_pass in self.passes:
+            try:
+                new_graph, names = graph_pass.fn(graph, self.ctx)
+                new_graph.lint()
+            except Exception as error:  # noqa: BLE001
+                _warn_skipped(graph_pass, self.graph_name, error)
+                continue
+            if new_graph is not graph:
+                _assign_graph(graph, new_graph)
+            if names:
+                self.rewritten.setdefault(graph_pass.name, []).extend(names)
+            if self.ctx.recorder:
+                self.ctx.recorder.stage(ATEN, graph_pass.name, _graph_code(graph), names)
+
+    def uuid(self):
+        digest = hashlib.sha256()
+        for graph_pass in self.passes:
+            digest.update(graph_pass.name.encode())
+            digest.update(graph_pass.source().encode())
+        digest.update(repr(self.ctx.options).encode())
+        return digest.hexdigest()
+
+
+def _graph_code(graph: fx.Graph):
+    return graph.python_code("self", verbose=True, include_device=True).src

@@ -1,0 +1,284 @@
+"""``prepare(model, optimizer)``: bf16 parameters with split master weights and 8-bit states.
+
+Everything is converted in place and allocated in its compressed form from the start: the
+optimizer keeps its class, its param groups and its hyperparameters.
+"""
+
+import dataclasses
+import fnmatch
+import types
+import weakref
+
+import torch
+import torch.nn as nn
+
+from flash_inductor import roles
+from flash_inductor.formats import companded, split_weights
+from flash_inductor.formats.state_tensor import CompandedState, Fp32State
+
+NORM_LAYERS = (
+    nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm,
+    nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Which optimizer-state keys an optimizer class keeps per parameter, and their kind."""
+
+    quantized: dict  # key -> companded.SIGNED / companded.SQRT
+    step: bool  # whether it keeps a "step" counter tensor
+
+
+def _layouts():
+    from flash_inductor.optim import SGDW, Lion
+
+    adam = lambda opt, g: StateLayout(  # noqa: E731
+        {"exp_avg": companded.SIGNED, "exp_avg_sq": companded.SQRT}
+        | ({"max_exp_avg_sq": companded.SQRT} if g["amsgrad"] else {}),
+        step=True,
+    )
+    sgd = lambda opt, g: StateLayout({"momentum_buffer": companded.SIGNED} if g["momentum"] else {}, step=False)  # noqa: E731
+    return {
+        torch.optim.AdamW: adam,
+        torch.optim.Adam: adam,
+        torch.optim.SGD: sgd,
+        SGDW: sgd,
+        Lion: lambda opt, g: StateLayout({"exp_avg": companded.SIGNED}, step=False),
+    }
+
+
+@dataclasses.dataclass(eq=False)
+class PreparedOptimizer:
+    """What ``prepare`` added to an optimizer: error terms and the settings it was prepared with."""
+
+    optimizer_ref: weakref.ReferenceType
+    master_weight_bits: int | None
+    state_bits: int | None
+    min_quantized_numel: int
+    compressed_state_dict: bool
+    check_numerics: bool
+    error_terms: dict = dataclasses.field(default_factory=dict)  # param -> error term
+    param_names: dict = dataclasses.field(default_factory=dict)  # param -> name
+
+    @property
+    def optimizer(self):
+        return self.optimizer_ref()
+
+    def params(self):
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def error_term(self, param):
+        return self.error_terms.get(param)
+
+    def layout(self, group):
+        return _layouts()[type(self.optimizer)](self.optimizer, group)
+
+
+def prepared(optimizer) -> PreparedOptimizer:
+    try:
+        return roles.PREPARED[optimizer]
+    except KeyError:
+        raise ValueError(
+            f"{type(optimizer).__name__} was not prepared: call flash_inductor.prepare(model, optimizer) first"
+        ) from None
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    master_weight_bits: int | None = 24,
+    state_bits: int | None = 8,
+    keep_fp32=(),
+    min_quantized_numel: int = 4096,
+    compressed_state_dict: bool = False,
+    check_numerics: bool = False,
+    compile_options: dict | None = None,
+):
+    """Make ``model`` + ``optimizer`` memory-efficient, in place; returns ``model``.
+
+    - Floating-point parameters become bf16, except normalization layers and modules whose names
+      match a pattern in ``keep_fp32`` (fnmatch, e.g. ``"lm_head"`` or ``"*.norm*"``): those stay
+      fp32, with their inputs cast to fp32 and outputs cast back. Already-bf16/fp16 models keep
+      their dtype.
+    - Each bf16/fp16 parameter gets an error term: int8 for ``master_weight_bits=24``, int16 for
+      32, none for None. An fp32 parameter's value becomes the master (nothing is lost).
+    - Moment states are allocated as companded 8-bit codes with fp16 group scales
+      (``state_bits=8``), except tensors under ``min_quantized_numel`` elements, which stay
+      fp32; ``state_bits=None`` keeps every state in fp32.
+    - ``optimizer.step()`` then runs through the ``flashoptim`` backend (compiled on first call,
+      with ``compile_options``); inside a function compiled with ``backend="flashoptim"`` it is
+      traced with the rest.
+    """
+    if optimizer in roles.PREPARED:
+        raise ValueError(f"{type(optimizer).__name__} is already prepared")
+    if state_bits not in (8, None):
+        raise ValueError(f"state_bits must be 8 or None, got {state_bits!r}")
+    lo_dtype = None if master_weight_bits is None else split_weights.error_term_dtype(master_weight_bits)
+    _check_optimizer(optimizer)
+    names = _param_names(model, optimizer)
+    masters = _convert_model(model, keep_fp32)
+
+    record = PreparedOptimizer(
+        weakref.ref(optimizer), master_weight_bits, state_bits, min_quantized_numel,
+        compressed_state_dict, check_numerics,
+    )
+    for group in optimizer.param_groups:
+        _check_group(optimizer, group)
+        _make_lr_tensor(group)
+        for p in group["params"]:
+            record.param_names[p] = names[p]
+            master = masters.get(p, p.detach())
+            if lo_dtype is not None and p.dtype in (torch.bfloat16, torch.float16):
+                hi, lo = split_weights.encode(master.float(), p.dtype, lo_dtype)
+                p.data.copy_(hi)
+                record.error_terms[p] = lo
+            _init_state(optimizer, record, group, p)
+    roles.PREPARED[optimizer] = record
+    _route_step_through_backend(optimizer, compile_options or {})
+    from flash_inductor import checkpoint
+
+    checkpoint.install_hooks(optimizer)
+    return model
+
+
+def _check_optimizer(optimizer):
+    supported = _layouts()
+    if type(optimizer) not in supported:
+        names = ", ".join(sorted(c.__module__.split(".")[0] + "." + c.__name__ for c in supported))
+        raise TypeError(f"flash_inductor.prepare supports {names}; got {type(optimizer).__qualname__}")
+
+
+def _check_group(optimizer, group):
+    name = type(optimizer).__name__
+    if group.get("fused"):
+        raise ValueError(f"{name}(fused=True) cannot use split weights; construct it with fused=None (the backend fuses the step)")
+    if group.get("differentiable"):
+        raise ValueError(f"{name}(differentiable=True) is not supported by flash_inductor.prepare")
+    if type(optimizer) is torch.optim.SGD and group.get("dampening", 0) != 0:
+        raise ValueError(
+            f"{name}(dampening={group['dampening']}) is not supported: prepared momentum buffers start at zero, "
+            "so torch's first-step rule (buffer = grad, undampened) cannot be reproduced; use dampening=0"
+        )
+    for p in group["params"]:
+        if not p.is_floating_point() or p.dtype == torch.float64:
+            raise TypeError(
+                f"parameter of dtype {p.dtype} is not supported: flash_inductor keeps fp32/bf16/fp16 parameters; "
+                "convert it (e.g. model.float()) before prepare"
+            )
+
+
+def _param_names(model, optimizer):
+    by_param = {p: n for n, p in model.named_parameters()}
+    names = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            names[p] = by_param.get(p, f"param_groups[{gi}][{pi}]")
+    return names
+
+
+def _keeps_fp32(name, module, patterns):
+    return isinstance(module, NORM_LAYERS) or any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+
+def _convert_model(model, keep_fp32):
+    """Cast fp32 parameters and buffers to bf16 in place (same Parameter objects); return the
+    original fp32 values of the cast parameters, which become their masters."""
+    if isinstance(keep_fp32, str):
+        keep_fp32 = (keep_fp32,)
+    masters = {}
+    kept = []
+    for name, module in model.named_modules():
+        if _keeps_fp32(name, module, keep_fp32):
+            if any(p.dtype == torch.float32 for p in module.parameters(recurse=False)):
+                kept.append(module)
+            continue
+        for p in module.parameters(recurse=False):
+            if p.dtype == torch.float32:
+                masters[p] = p.detach().clone()
+                p.data = p.data.to(torch.bfloat16)
+        for bname, b in module.named_buffers(recurse=False):
+            if b.dtype == torch.float32:
+                setattr(module, bname, b.to(torch.bfloat16))
+    for module in kept:
+        _cast_io_to_fp32(module)
+    return masters
+
+
+def _cast_io_to_fp32(module):
+    def cast_inputs(mod, args, kwargs):
+        def up(t):
+            return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t
+
+        mod._flashoptim_input_dtype = next(
+            (a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None
+        )
+        return tuple(up(a) for a in args), kwargs
+
+    def cast_output(mod, args, kwargs, output):
+        dtype = mod._flashoptim_input_dtype
+        if isinstance(output, torch.Tensor) and dtype in (torch.bfloat16, torch.float16):
+            return output.to(dtype)
+        return output
+
+    module.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+    module.register_forward_hook(cast_output, with_kwargs=True)
+
+
+def _make_lr_tensor(group):
+    """A tensor ``lr`` lets schedulers change it without recompiling the step (they ``fill_`` it).
+
+    torch's Adam refuses a tensor lr with foreach unless ``capturable``; under compile the step is
+    graph-captured anyway, so prepared Adam groups are marked capturable.
+    """
+    if not isinstance(group["lr"], torch.Tensor):
+        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
+    if "capturable" in group and group.get("foreach"):
+        group["capturable"] = True
+
+
+def _init_state(optimizer, record, group, p):
+    layout = record.layout(group)
+    state = optimizer.state[p]
+    if layout.step and "step" not in state:
+        on_device = group.get("capturable") or group.get("fused")
+        state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if on_device else "cpu")
+    for key, kind in layout.quantized.items():
+        existing = state.get(key)
+        state[key] = new_state(record, p, kind, None if existing is None else existing.float())
+
+
+def new_state(record, param, kind, value=None):
+    """The stored form of one optimizer state of ``param`` (zeros when ``value`` is None)."""
+    if record.state_bits == 8 and param.numel() >= record.min_quantized_numel:
+        if value is None:
+            return CompandedState.zeros(param, kind)
+        return CompandedState.encode(value.to(param.device), kind, param.dtype)
+    if value is None:
+        return Fp32State.zeros(param)
+    return Fp32State.encode(value.to(param.device), param.dtype)
+
+
+def _route_step_through_backend(optimizer, compile_options):
+    """Replace ``optimizer.step`` (a bound method, so LR schedulers can wrap it) by one that runs
+    the original step through the ``flashoptim`` backend, or traces it inline when already
+    compiling."""
+    from flash_inductor.backend import compile as compile_with_backend
+    from flash_inductor import checks
+
+    original = optimizer.step
+    compiled = compile_with_backend(original, **compile_options)
+
+    def step(self, closure=None):
+        if torch.compiler.is_compiling():
+            return original(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        checks.check_before_step(self)
+        compiled()
+        return loss
+
+    optimizer.step = types.MethodType(step, optimizer)

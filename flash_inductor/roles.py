@@ -1,0 +1,89 @@
+"""Which inputs of a Dynamo graph are parameters, gradients and optimizer states.
+
+Dynamo hands a backend parameters and states as ``get_attr`` nodes or placeholders (it depends on
+the torch version and on whether the step was traced inside a module call) and gradients as
+placeholders, with names that change with ``foreach`` and with the version. Tensor identity does
+not change: the backend matches each graph input against the tensors of the optimizers that
+``flash_inductor.prepare`` registered.
+"""
+
+import dataclasses
+import operator
+import weakref
+
+import torch
+import torch.fx as fx
+
+PARAM = "param"
+GRAD = "grad"
+STATE = "state"
+
+# optimizer -> its PreparedOptimizer record; filled by flash_inductor.prepare.
+PREPARED = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    kind: str  # PARAM, GRAD or STATE
+    param: torch.Tensor
+    prepared: object  # the PreparedOptimizer the parameter belongs to
+    state_key: str | None = None
+
+    def describe(self):
+        name = self.prepared.param_names.get(self.param, "?")
+        return f"{self.kind}:{name}" + (f"[{self.state_key}]" if self.state_key else "")
+
+
+def graph_input_tensors(gm, example_inputs):
+    """{node: tensor} for the placeholders and get_attr nodes of a Dynamo graph."""
+    inputs = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.Tensor):
+            inputs[node] = value
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = operator.attrgetter(node.target)(gm)
+            if isinstance(value, torch.Tensor):
+                inputs[node] = value
+    return inputs
+
+
+def _tensor_index():
+    index = {}
+    for prepared in list(PREPARED.values()):
+        for param in prepared.params():
+            index[id(param)] = Role(PARAM, param, prepared)
+            if param.grad is not None:
+                index[id(param.grad)] = Role(GRAD, param, prepared)
+            for key, value in prepared.optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    index[id(value)] = Role(STATE, param, prepared, key)
+    return index
+
+
+def find_roles(gm, example_inputs):
+    """{node name: Role} for every graph input that belongs to a prepared optimizer."""
+    index = _tensor_index()
+    roles = {}
+    for node, tensor in graph_input_tensors(gm, example_inputs).items():
+        role = index.get(id(tensor))
+        if role is not None:
+            roles[node.name] = role
+    return roles
+
+
+def mutated_inputs(graph: fx.Graph):
+    """Names of graph inputs written in place (``x.mul_(...)``, ``x.copy_(...)``, foreach ops)."""
+    inputs = {n for n in graph.nodes if n.op in ("placeholder", "get_attr")}
+    written = set()
+    for node in graph.nodes:
+        if node.op not in ("call_method", "call_function"):
+            continue
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if not name.endswith("_") or name.startswith("__"):
+            continue
+        first = node.args[0] if node.args else None
+        targets = first if isinstance(first, (list, tuple)) else [first]
+        written.update(t.name for t in targets if isinstance(t, fx.Node) and t in inputs)
+    return written

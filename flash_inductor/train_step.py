@@ -1,0 +1,31 @@
+"""``@flash_inductor.train_step``: prepare and compile a whole training step in one place."""
+
+import functools
+
+from flash_inductor import roles
+from flash_inductor.backend import compile as compile_with_backend
+from flash_inductor.prepare import prepare
+
+_PREPARE_ARGS = ("master_weight_bits", "state_bits", "keep_fp32", "min_quantized_numel",
+                 "compressed_state_dict", "check_numerics")
+
+
+def train_step(fn=None, *, model, optimizer, **options):
+    """Compile a step function (forward, ``loss.backward()``, ``optimizer.step()``,
+    ``optimizer.zero_grad()``) through the ``flashoptim`` backend.
+
+    ``optimizer`` is prepared once, with the keyword arguments of ``prepare`` found in
+    ``options`` (``master_weight_bits``, ``state_bits``, ...); the rest are backend options.
+    Dynamo captures the forward (AOTAutograd derives the backward) and the optimizer step as one
+    graph each: the prepared ``step`` is traced inline, between the graph breaks torch places
+    around every optimizer step.
+    """
+    prepare_args = {k: options.pop(k) for k in _PREPARE_ARGS if k in options}
+    if fn is None:
+        return functools.partial(train_step, model=model, optimizer=optimizer, **prepare_args, **options)
+    if optimizer not in roles.PREPARED:
+        prepare(model, optimizer, **prepare_args)
+    elif prepare_args:
+        raise ValueError(f"train_step: optimizer is already prepared; drop {sorted(prepare_args)}")
+    compiled = compile_with_backend(fn, **options)
+    return functools.wraps(fn)(compiled)

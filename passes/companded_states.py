@@ -1,0 +1,60 @@
+"""Companded states: the optimizer step works on fp32 states, decoded once and encoded once.
+
+Prepared optimizers keep their moments as ``StateTensor``s that present the parameter's dtype, so
+stock optimizer code traces unchanged: ``CompandedState`` (int8/uint8 codes + fp16 group scales)
+or, for unquantized states, ``Fp32State``. Operating on them op by op would re-quantize after
+every in-place op; this pass makes the step work on an fp32 copy and round exactly once. The
+update must run in one dtype, so the gradients of bf16/fp16 parameters are read in fp32 too.
+
+Before (Dynamo graph of ``torch.optim.AdamW.step``, one parameter)::
+
+    grad = placeholder                              # bf16
+    exp_avg = self.state_exp_avg                    # CompandedState, presents bf16
+    exp_avg.lerp_(grad, 0.1)
+    p.addcdiv_(exp_avg, denom)
+
+After::
+
+    grad = placeholder
+    grad_fp32 = companded_states.to_fp32(grad)
+    exp_avg = self.state_exp_avg
+    exp_avg_fp32 = CompandedState.decode(exp_avg)   # fp32 (Fp32State.decode for fp32 states)
+    exp_avg_fp32.lerp_(grad_fp32, 0.1)
+    p.addcdiv_(exp_avg_fp32, denom)
+    CompandedState.store(exp_avg, exp_avg_fp32)     # codes, scales <- encode(exp_avg_fp32)
+
+Only states the graph writes, and gradients of parameters it updates, are rewritten.
+"""
+
+import torch
+import torch.fx as fx
+
+from flash_inductor import graph_utils, roles
+from flash_inductor.formats.state_tensor import StateTensor
+
+
+def to_fp32(t):
+    return t.float()
+
+
+def companded_states_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]:
+    updated = {id(r.param) for n, r in ctx.roles.items() if r.kind == roles.PARAM and n in ctx.written}
+    rewrites = {}  # node name -> (decode, store)
+    for name, role in ctx.roles.items():
+        if id(role.param) not in updated:
+            continue
+        if role.kind == roles.GRAD and role.param.grad.dtype in (torch.bfloat16, torch.float16):
+            rewrites[name] = (to_fp32, None)
+        elif role.kind == roles.STATE and name in ctx.written:
+            state = role.prepared.optimizer.state[role.param][role.state_key]
+            if isinstance(state, StateTensor):
+                rewrites[name] = (type(state).decode, type(state).store)
+    if not rewrites:
+        return gm, []
+    gm = graph_utils.copy_graph_module(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, (decode, store) in rewrites.items():
+        graph_utils.work_on_decoded_copy(gm.graph, nodes[name], decode, store)
+    gm.graph.lint()
+    gm.recompile()
+    return gm, list(rewrites)
