@@ -85,7 +85,7 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
         # keep the fp32 value there (DESIGN.md §3, pitfall).
         patches["emulate_precision_casts"] = True
     post_grad = AtenPasses(aten_passes, ctx, result.name)
-    if post_grad.passes:
+    if post_grad.passes or record is not None:  # when inspecting, it records the post-grad graphs
         patches["post_grad_custom_post_pass"] = post_grad
     if record is not None:
         patches.update(inspection.uncached_config())

@@ -1,0 +1,120 @@
+"""Optimizer-step benchmark (GPU): the flashoptim AdamW step against torch's fused AdamW.
+
+Two parameter lists: 64 tensors of 2048x2048 (268M parameters) and GPT-2-124M's 148 tensors.
+Each configuration runs in this one process; times are medians of ``triton.testing.do_bench``.
+
+    python benchmarks/optimizer_step.py --out benchmarks/results/optimizer_step.json
+
+Bytes moved per parameter by one step (each tensor read once and written once):
+  torch AdamW, fp32 params: read p, g, m, v (16) + write p, m, v (12)            = 28
+  torch AdamW, bf16 params: read p, g, m, v (8) + write p, m, v (6)              = 14
+  flashoptim 24-bit / 8-bit: read p 2, err 1, g 2, codes 2, scales 0.125 (7.125)
+                             + write p 2, err 1, codes 2, scales 0.125 (5.125)   = 12.25
+"""
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+import flash_inductor
+
+BYTES_PER_PARAM = {"torch_fused_fp32": 28.0, "torch_fused_bf16": 14.0, "flashoptim": 12.25}
+
+
+def gpt2_124m_shapes():
+    d, v, ctx, layers = 768, 50257, 1024, 12
+    shapes = [(v, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+PARAM_LISTS = {"64x2048x2048": [(2048, 2048)] * 64, "gpt2_124m": gpt2_124m_shapes()}
+
+
+def make_params(shapes, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32).mul_(0.02).to(dtype))
+        p.grad = torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32).mul_(1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+def time_ms(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def bench_torch_fused(shapes, dtype):
+    params = make_params(shapes, dtype)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    return {"ms": time_ms(opt.step), "compile_s": 0.0}
+
+
+def bench_flashoptim(shapes, foreach, options):
+    params = make_params(shapes, torch.float32)
+    model = torch.nn.ParameterList(params)
+    grads = [p.grad.to(torch.bfloat16) for p in params]
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=foreach)
+    flash_inductor.prepare(model, opt, min_quantized_numel=0, compile_options=options)
+    for p, g in zip(params, grads):
+        p.grad = g
+    t0 = time.perf_counter()
+    opt.step()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    return {"ms": time_ms(opt.step), "compile_s": compile_s,
+            "memory": flash_inductor.memory_report(model, opt).per_param()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="optimizer_step.json")
+    parser.add_argument("--lists", default="64x2048x2048,gpt2_124m")
+    args = parser.parse_args()
+    bandwidth = measure_copy_bandwidth()
+    rows = []
+    for list_name in args.lists.split(","):
+        shapes = PARAM_LISTS[list_name]
+        n = sum(torch.Size(s).numel() for s in shapes)
+        configs = {
+            "torch_fused_fp32": lambda: bench_torch_fused(shapes, torch.float32),
+            "torch_fused_bf16": lambda: bench_torch_fused(shapes, torch.bfloat16),
+            "flashoptim foreach=False": lambda: bench_flashoptim(shapes, False, {}),
+            "flashoptim foreach=False cudagraphs": lambda: bench_flashoptim(shapes, False, {"inductor": {"triton.cudagraphs": True}}),
+            "flashoptim foreach=True": lambda: bench_flashoptim(shapes, True, {}),
+            "flashoptim foreach=True cudagraphs": lambda: bench_flashoptim(shapes, True, {"inductor": {"triton.cudagraphs": True}}),
+        }
+        for name, run in configs.items():
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+            result = run()
+            bpp = BYTES_PER_PARAM["flashoptim" if name.startswith("flashoptim") else name]
+            floor_ms = n * bpp / bandwidth * 1e3
+            row = dict(params=list_name, num_params=n, num_tensors=len(shapes), config=name, bytes_per_param=bpp,
+                       achieved_GBps=n * bpp / (result["ms"] * 1e-3) / 1e9, floor_ms=floor_ms, **result)
+            rows.append(row)
+            print(f"{list_name:14s} {name:38s} {result['ms']:8.3f} ms  {row['achieved_GBps']:7.0f} GB/s  "
+                  f"floor {floor_ms:.3f} ms  compile {result['compile_s']:.1f} s", flush=True)
+    info = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), copy_bandwidth_GBps=bandwidth / 1e9,
+                python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
+    with open(args.out, "w") as f:
+        json.dump({"info": info, "rows": rows}, f, indent=1)
+    print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s; wrote {args.out}")
+
+
+def measure_copy_bandwidth():
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+if __name__ == "__main__":
+    main()
