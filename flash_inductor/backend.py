@@ -13,7 +13,7 @@ import itertools
 import torch
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-from flash_inductor import graph_utils, inspection, roles
+from flash_inductor import _compat, graph_utils, inspection, roles
 from flash_inductor.options import Options
 from flash_inductor.pipeline import AtenPasses, PassContext, run_torch_passes
 
@@ -84,6 +84,7 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
         # The passes' numerics round to bf16/fp16 inside fused kernels; Inductor would otherwise
         # keep the fp32 value there (DESIGN.md §3, pitfall).
         patches["emulate_precision_casts"] = True
+        patches.update(_compat.inductor_patches_for_rewritten_graphs())
     post_grad = AtenPasses(aten_passes, ctx, result.name)
     if post_grad.passes or record is not None:  # when inspecting, it records the post-grad graphs
         patches["post_grad_custom_post_pass"] = post_grad

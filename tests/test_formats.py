@@ -426,9 +426,9 @@ def assert_codes_close(codes, ref_codes, what=""):
     """Equal, or one step apart where fp32 and fp64 round a .5 boundary differently (rarely)."""
     d = (codes.long().view(-1) - ref_codes.view(-1)).abs()
     assert d.max() <= 1, f"{what}: code differs by {int(d.max())}"
-    frac = (d != 0).double().mean().item()
-    assert frac <= 1e-3, f"{what}: {frac:.2e} of codes differ by one"
-    return int((d != 0).sum())
+    n = int((d != 0).sum())  # about 2 per million elements are seen
+    assert n <= max(2, 1e-4 * d.numel()), f"{what}: {n} of {d.numel()} codes differ by one"
+    return n
 
 
 CODE_DTYPE = {cp.SIGNED: torch.int8, cp.SQRT: torch.uint8}
@@ -485,7 +485,7 @@ def test_companded_encode_decode_vs_reference(kind, case):
             inside = xd.sqrt() <= s
             err = (dec.reshape(-1).double().sqrt() - xd.sqrt()).abs()[inside]
             assert (err <= s[inside] / 510 * (1 + 2.0**-10) + ulp32(s[inside])).all()
-    assert total_diffs <= total * 1e-3
+    assert total_diffs <= max(2, total * 1e-4)
 
 
 def test_companded_all_zero_and_underflowing_groups():
@@ -696,3 +696,23 @@ def test_compiled_companded_matches_eager(compiled_and_eager, kind):
     ref_codes, ref_scale = ref_companded_encode(x if kind == "signed" else v, kind)
     torch.testing.assert_close(scales_c.double(), ref_scale, rtol=0, atol=0, equal_nan=True)
     assert_codes_close(codes_c, ref_codes, f"compiled {kind} vs reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_on_gpu_matches_cpu_eager():
+    """Triton kernels (Inductor on CUDA) give the same codes as eager on CPU."""
+    x, v = _compile_inputs()
+    fn = torch.compile(_round_trip_all, backend="inductor", fullgraph=True, dynamic=False)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        got = {k: tuple(t.cpu() for t in ts) for k, ts in fn(x.cuda(), v.cuda()).items()}
+    eager_gpu = {k: tuple(t.cpu() for t in ts) for k, ts in _round_trip_all(x.cuda(), v.cuda()).items()}
+    want = _round_trip_all(x, v)
+    for out in (got, eager_gpu):
+        for name in ("bf16_i8", "bf16_i16", "fp16_i16"):
+            assert_same_bits(out[name][0], want[name][0])
+            assert torch.equal(out[name][1], want[name][1]), name
+            assert_same_bits(out[name][2], want[name][2])
+        for kind in ("signed", "sqrt"):
+            assert_same_bits(out[kind][1], want[kind][1])
+            assert_codes_close(out[kind][0], want[kind][0].long(), f"gpu {kind}")

@@ -67,17 +67,17 @@ def half_ulp_log2(hi):
     return biased - (bias + mantissa_bits + 1)
 
 
-def _round_code(rel, code_max):
-    """``round_half_away(rel * code_max)`` for fp32 ``|rel| <= 1``, exactly, with fp32 ops only.
+def _round_code(rel, n):
+    """``round_half_away(rel * n)`` for fp32 ``|rel| <= 1``, exactly, with fp32 ops only.
 
-    ``code_max = 2**b - 1``, so ``a * code_max = a * 2**b - a`` (``a = |rel|``). ``a * 2**b`` is exact;
-    split it into ``whole + frac``; then ``a * code_max = whole + (frac - a)`` with ``-1 <= frac - a < 1``,
+    ``n = 2**b - 1`` (127 or 32767), so ``a * n = a * 2**b - a`` (``a = |rel|``). ``a * 2**b`` is exact;
+    split it into ``whole + frac``; then ``a * n = whole + (frac - a)`` with ``-1 <= frac - a < 1``,
     and rounding adds 1 when ``frac - a >= 0.5`` and subtracts 1 when ``frac - a < -0.5``. Both tests
     are evaluated as ``frac - 0.5 >= a`` and ``frac + 0.5 < a``, whose left sides are exact whenever
     the comparison can go either way (Sterbenz; ``frac`` has no bits below 2**-23 when ``a >= 2**-b``).
     """
     a = rel.abs()
-    big = a * float(code_max + 1)
+    big = a * float(n + 1)
     whole = torch.floor(big)
     frac = big - whole
     mag = torch.where(frac - 0.5 >= a, whole + 1.0, torch.where(frac + 0.5 < a, whole - 1.0, whole))
@@ -88,19 +88,17 @@ def encode(x, hi_dtype, lo_dtype):
     """Split fp32 ``x`` into ``(hi, lo)``: ``hi = x.to(hi_dtype)`` and the integer error term."""
     x = x.float()
     hi = x.to(hi_dtype)
-    code_max = _CODE_MAX[lo_dtype]
     rel = _scale_by_pow2(x - hi.float(), -half_ulp_log2(hi))
     # Non-finite masters (inf/nan, or hi overflowed to inf) have no meaningful error term; hi
     # carries the value.
     rel = torch.where(torch.isfinite(rel), rel, torch.zeros_like(rel))
-    lo = _round_code(rel.clamp(-1.0, 1.0), code_max)
+    lo = _round_code(rel.clamp(-1.0, 1.0), _CODE_MAX[lo_dtype])
     return hi, lo.to(lo_dtype)
 
 
 def decode(hi, lo):
     """The fp32 master value of a split weight."""
-    code_max = _CODE_MAX[lo.dtype]
-    return hi.float() + _scale_by_pow2(lo.float() / code_max, half_ulp_log2(hi))
+    return hi.float() + _scale_by_pow2(lo.float() / _CODE_MAX[lo.dtype], half_ulp_log2(hi))
 
 
 def store(hi, lo, master):
