@@ -38,7 +38,7 @@ def bound_inputs(gm: fx.GraphModule):
     return [n.meta[BOUND_INPUT] for n in gm.graph.nodes if n.op == "placeholder" and BOUND_INPUT in n.meta]
 
 
-def work_on_decoded_copy(graph: fx.Graph, node: fx.Node, decode, store, extra=(), suffix="fp32"):
+def work_on_decoded_copy(graph: fx.Graph, node: fx.Node, decode, store, extra=(), name=None):
     """Make every use of the stored input ``node`` use ``decode(node, *extra)`` instead, and write
     the result back once at the end with ``store(node, *extra, decoded)`` (unless ``store`` is
     None: a read-only input).
@@ -50,7 +50,7 @@ def work_on_decoded_copy(graph: fx.Graph, node: fx.Node, decode, store, extra=()
     position = _position(graph)
     first_use = min(node.users, key=position)
     with graph.inserting_before(first_use):
-        decoded = graph.create_node("call_function", decode, (node, *extra), name=f"{node.name}_{suffix}")
+        decoded = graph.create_node("call_function", decode, (node, *extra), name=name)
     node.replace_all_uses_with(decoded, delete_user_cb=lambda user: user is not decoded)
     if store is not None:
         last_use = max(decoded.users, key=position)

@@ -33,6 +33,12 @@ class Role:
         name = self.prepared.param_names.get(self.param, "?")
         return f"{self.kind}:{name}" + (f"[{self.state_key}]" if self.state_key else "")
 
+    def node_name(self, suffix):
+        """A readable name for a node derived from this input: ``fc1_weight_exp_avg_fp32``."""
+        parts = [self.prepared.param_names.get(self.param, "param").replace(".", "_")]
+        parts += {PARAM: [], GRAD: ["grad"], STATE: [self.state_key]}[self.kind]
+        return "_".join(parts + [suffix])
+
 
 def graph_input_tensors(gm, example_inputs):
     """{node: tensor} for the placeholders and get_attr nodes of a Dynamo graph."""

@@ -54,7 +54,7 @@ def companded_states_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list
     gm = graph_utils.copy_graph_module(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     for name, (decode, store) in rewrites.items():
-        graph_utils.work_on_decoded_copy(gm.graph, nodes[name], decode, store)
+        graph_utils.work_on_decoded_copy(gm.graph, nodes[name], decode, store, name=ctx.roles[name].node_name("fp32"))
     gm.graph.lint()
     gm.recompile()
     return gm, list(rewrites)

@@ -40,10 +40,12 @@ def split_weights_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[st
     gm = graph_utils.copy_graph_module(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     for name in targets:
-        error = ctx.roles[name].prepared.error_term(ctx.roles[name].param)
-        error_node = graph_utils.add_bound_placeholder(gm.graph, f"{name}_error", error)
+        role = ctx.roles[name]
+        error = role.prepared.error_term(role.param)
+        error_node = graph_utils.add_bound_placeholder(gm.graph, role.node_name("error"), error)
         graph_utils.work_on_decoded_copy(
-            gm.graph, nodes[name], split_weights.decode, split_weights.store, extra=(error_node,), suffix="master"
+            gm.graph, nodes[name], split_weights.decode, split_weights.store, extra=(error_node,),
+            name=role.node_name("master"),
         )
     gm.graph.lint()
     gm.recompile()

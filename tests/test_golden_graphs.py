@@ -1,0 +1,88 @@
+"""The rewritten Dynamo graphs of small optimizer steps, pinned as readable code.
+
+Uses ``compiler="eager"``: the same torch-level passes as with Inductor, without compiling
+kernels. Regenerate after an intended change with ``EXPECTTEST_ACCEPT=1 pytest tests/test_golden_graphs.py``.
+"""
+
+import expecttest
+import torch
+import torch.nn as nn
+
+import flash_inductor
+from flash_inductor.optim import SGDW, Lion
+
+
+def rewritten_code(make_optimizer, stage):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4, bias=False)
+    opt = make_optimizer(model.parameters())
+    flash_inductor.prepare(model, opt, min_quantized_numel=0, compile_options={"compiler": "eager"})
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).sum().backward()
+    report = flash_inductor.inspect(flash_inductor.compile(opt.step, compiler="eager"))
+    graph = report.graph("optimizer step")
+    code = next(s.code for s in graph.stages if s.name == stage)
+    # Comments carry source paths and line numbers of the installed torch; the code is what matters.
+    return "\n".join(line.rstrip() for line in code.splitlines() if line.strip() and not line.strip().startswith("#"))
+
+
+class TestGoldenGraphs(expecttest.TestCase):
+    def test_sgdw_momentum_step(self):
+        self.assertExpectedInline(
+            rewritten_code(lambda ps: SGDW(ps, lr=0.1, momentum=0.9, weight_decay=0.01), "companded_states"),
+            """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_original_self_param_groups_0_lr_: "f32[]cpu", L_original_self_param_groups_0_params_0_grad: "bf16[4, 8]cpu", L_original_self_state_list_dict_keys_L_original_self_state_0_momentum_buffer_: "CompandedState(bf16[4, 8]cpu)", weight_error: "i8[4, 8]cpu"):
+        l_original_self_param_groups_0_lr_ = L_original_self_param_groups_0_lr_
+        l_original_self_param_groups_0_params_0_grad = L_original_self_param_groups_0_params_0_grad
+        l_original_self_state_list_dict_keys_l_original_self_state_0_momentum_buffer_ = L_original_self_state_list_dict_keys_L_original_self_state_0_momentum_buffer_
+        _set_grad_enabled = torch._C._set_grad_enabled(False);  _set_grad_enabled = None
+        p: "bf16[4, 8]cpu" = self.original_____self___param_groups_0__params___0
+        mul: "f32[]cpu" = l_original_self_param_groups_0_lr_ * 0.01
+        sub: "f32[]cpu" = 1 - mul;  mul = None
+        weight_master: "f32[4, 8]cpu" = flash_inductor_formats_split_weights_decode(p, weight_error)
+        mul_: "f32[4, 8]cpu" = weight_master.mul_(sub);  sub = mul_ = None
+        weight_momentum_buffer_fp32: "f32[4, 8]cpu" = flash_inductor_formats_state_tensor_decode(l_original_self_state_list_dict_keys_l_original_self_state_0_momentum_buffer_)
+        mul__1: "f32[4, 8]cpu" = weight_momentum_buffer_fp32.mul_(0.9)
+        weight_grad_fp32: "f32[4, 8]cpu" = flash_inductor_passes_companded_states_to_fp32(l_original_self_param_groups_0_params_0_grad);  l_original_self_param_groups_0_params_0_grad = None
+        add_: "f32[4, 8]cpu" = mul__1.add_(weight_grad_fp32, alpha = 1.0);  mul__1 = weight_grad_fp32 = add_ = None
+        mul_1: "f32[4, 8]cpu" = weight_momentum_buffer_fp32 * l_original_self_param_groups_0_lr_;  l_original_self_param_groups_0_lr_ = None
+        store_1 = flash_inductor_formats_state_tensor_store(l_original_self_state_list_dict_keys_l_original_self_state_0_momentum_buffer_, weight_momentum_buffer_fp32);  l_original_self_state_list_dict_keys_l_original_self_state_0_momentum_buffer_ = weight_momentum_buffer_fp32 = store_1 = None
+        sub_: "f32[4, 8]cpu" = weight_master.sub_(mul_1);  mul_1 = sub_ = None
+        store = flash_inductor_formats_split_weights_store(p, weight_error, weight_master);  p = weight_error = weight_master = store = None
+        _set_grad_enabled_1 = torch._C._set_grad_enabled(True);  _set_grad_enabled_1 = None
+        return ()""",
+        )
+
+    def test_lion_step(self):
+        self.assertExpectedInline(
+            rewritten_code(lambda ps: Lion(ps, lr=1e-4, weight_decay=0.1), "companded_states"),
+            """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_original_self_param_groups_0_lr_: "f32[]cpu", L_original_self_param_groups_0_params_0_grad: "bf16[4, 8]cpu", L_original_self_state_list_dict_keys_L_original_self_state_0_exp_avg_: "CompandedState(bf16[4, 8]cpu)", weight_error: "i8[4, 8]cpu"):
+        l_original_self_param_groups_0_lr_ = L_original_self_param_groups_0_lr_
+        l_original_self_param_groups_0_params_0_grad = L_original_self_param_groups_0_params_0_grad
+        l_original_self_state_list_dict_keys_l_original_self_state_0_exp_avg_ = L_original_self_state_list_dict_keys_L_original_self_state_0_exp_avg_
+        _set_grad_enabled = torch._C._set_grad_enabled(False);  _set_grad_enabled = None
+        p: "bf16[4, 8]cpu" = self.original_____self___param_groups_0__params___0
+        mul: "f32[]cpu" = l_original_self_param_groups_0_lr_ * 0.1
+        sub: "f32[]cpu" = 1 - mul;  mul = None
+        weight_master: "f32[4, 8]cpu" = flash_inductor_formats_split_weights_decode(p, weight_error)
+        mul_: "f32[4, 8]cpu" = weight_master.mul_(sub);  sub = mul_ = None
+        weight_exp_avg_fp32: "f32[4, 8]cpu" = flash_inductor_formats_state_tensor_decode(l_original_self_state_list_dict_keys_l_original_self_state_0_exp_avg_)
+        mul_1: "f32[4, 8]cpu" = weight_exp_avg_fp32.mul(0.9)
+        weight_grad_fp32: "f32[4, 8]cpu" = flash_inductor_passes_companded_states_to_fp32(l_original_self_param_groups_0_params_0_grad);  l_original_self_param_groups_0_params_0_grad = None
+        add_: "f32[4, 8]cpu" = mul_1.add_(weight_grad_fp32, alpha = 0.09999999999999998);  mul_1 = None
+        update: "f32[4, 8]cpu" = add_.sign_();  add_ = None
+        mul_2: "f32[4, 8]cpu" = update * l_original_self_param_groups_0_lr_;  update = l_original_self_param_groups_0_lr_ = None
+        sub_: "f32[4, 8]cpu" = weight_master.sub_(mul_2);  mul_2 = sub_ = None
+        store = flash_inductor_formats_split_weights_store(p, weight_error, weight_master);  p = weight_error = weight_master = store = None
+        lerp_: "f32[4, 8]cpu" = weight_exp_avg_fp32.lerp_(weight_grad_fp32, 0.010000000000000009);  weight_grad_fp32 = lerp_ = None
+        store_1 = flash_inductor_formats_state_tensor_store(l_original_self_state_list_dict_keys_l_original_self_state_0_exp_avg_, weight_exp_avg_fp32);  l_original_self_state_list_dict_keys_l_original_self_state_0_exp_avg_ = weight_exp_avg_fp32 = store_1 = None
+        _set_grad_enabled_1 = torch._C._set_grad_enabled(True);  _set_grad_enabled_1 = None
+        return ()""",
+        )
+
+    def test_captured_graph_is_the_stock_step(self):
+        captured = rewritten_code(lambda ps: SGDW(ps, lr=0.1, momentum=0.9), "captured")
+        self.assertNotIn("decode", captured)
+        self.assertIn("p.sub_", captured)
