@@ -7,8 +7,10 @@ that rewrite, never with a half-done one.
 """
 
 import dataclasses
+import functools
 import hashlib
 import inspect
+import pathlib
 import sys
 import warnings
 from typing import Callable
@@ -29,7 +31,8 @@ class GraphPass:
     fn: Callable
 
     def source(self):
-        return inspect.getsource(sys.modules[self.fn.__module__])
+        """The pass function's source and that of its module."""
+        return inspect.getsource(self.fn) + inspect.getsource(sys.modules[self.fn.__module__])
 
 
 @dataclasses.dataclass
@@ -87,8 +90,8 @@ class AtenPasses(CustomGraphPass):
     """The aten-level passes as one Inductor post-grad custom pass.
 
     torch 2.11 accepts one pass object per hook, so all sub-passes run from here. ``uuid`` hashes
-    the sources of the passes and the options they read, so Inductor's FX graph cache never
-    returns a graph compiled with other passes or options.
+    the sources of the passes, of this package (the numerics they call) and the options, so
+    Inductor's FX graph cache never returns a graph compiled with other passes or options.
     """
 
     def __init__(self, passes, ctx, graph_name):
@@ -115,12 +118,24 @@ class AtenPasses(CustomGraphPass):
                 self.ctx.recorder.stage(ATEN, graph_pass.name, _graph_code(graph), names)
 
     def uuid(self):
-        digest = hashlib.sha256()
+        digest = hashlib.sha256(_package_source_digest())
         for graph_pass in self.passes:
             digest.update(graph_pass.name.encode())
             digest.update(graph_pass.source().encode())
         digest.update(repr(self.ctx.options).encode())
         return digest.hexdigest()
+
+
+@functools.cache
+def _package_source_digest():
+    import flash_inductor
+    from flash_inductor import passes
+
+    digest = hashlib.sha256()
+    for folder in (flash_inductor.__path__[0], passes.__path__[0]):
+        for path in sorted(pathlib.Path(folder).rglob("*.py")):
+            digest.update(path.read_bytes())
+    return digest.digest()
 
 
 def _graph_code(graph: fx.Graph):

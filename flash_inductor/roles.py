@@ -9,6 +9,7 @@ not change: the backend matches each graph input against the tensors of the opti
 
 import dataclasses
 import operator
+import re
 import weakref
 
 import torch
@@ -35,9 +36,10 @@ class Role:
 
     def node_name(self, suffix):
         """A readable name for a node derived from this input: ``fc1_weight_exp_avg_fp32``."""
-        parts = [self.prepared.param_names.get(self.param, "param").replace(".", "_")]
+        parts = [self.prepared.param_names.get(self.param, "param")]
         parts += {PARAM: [], GRAD: ["grad"], STATE: [self.state_key]}[self.kind]
-        return "_".join(parts + [suffix])
+        name = re.sub(r"\W", "_", "_".join(parts + [suffix]))
+        return f"_{name}" if name[0].isdigit() else name  # placeholders become Python arguments
 
 
 def graph_input_tensors(gm, example_inputs):
@@ -79,15 +81,19 @@ def find_roles(gm, example_inputs):
     return roles
 
 
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
 def mutated_inputs(graph: fx.Graph):
-    """Names of graph inputs written in place (``x.mul_(...)``, ``x.copy_(...)``, foreach ops)."""
+    """Names of graph inputs written in place (``x.mul_(...)``, ``x += 1``, foreach ops)."""
     inputs = {n for n in graph.nodes if n.op in ("placeholder", "get_attr")}
     written = set()
     for node in graph.nodes:
         if node.op not in ("call_method", "call_function"):
             continue
         name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-        if not name.endswith("_") or name.startswith("__"):
+        inplace = node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("__"))
+        if not inplace:
             continue
         first = node.args[0] if node.args else None
         targets = first if isinstance(first, (list, tuple)) else [first]

@@ -1,0 +1,89 @@
+"""Inspection reports and the train-step decorator, on one small model compiled once by Inductor."""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import flash_inductor
+
+
+@pytest.fixture(scope="module")
+def inspected():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    @flash_inductor.train_step(model=model, optimizer=opt, min_quantized_numel=1024)
+    def step(x, y):
+        loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x, y = torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(32, 8)
+    report = flash_inductor.inspect(step, x, y)
+    losses = [step(x, y).item() for _ in range(5)]
+    return report, model, opt, step, losses
+
+
+def test_train_step_prepares_once_and_trains(inspected):
+    report, model, opt, step, losses = inspected
+    assert model[0].weight.dtype == torch.bfloat16
+    assert model[1].weight.dtype == torch.float32  # LayerNorm stays fp32
+    assert losses[-1] < losses[0]
+    with pytest.raises(ValueError, match="already prepared"):
+        flash_inductor.prepare(model, opt)
+
+
+def test_report_has_forward_backward_and_one_optimizer_graph(inspected):
+    report = inspected[0]
+    kinds = [g.kind for g in report.graphs]
+    assert kinds.count("optimizer step") == 1  # the whole AdamW step is one graph
+    assert "model" in kinds
+    model_graph = report.graph("model")
+    subgraphs = {s.subgraph for s in model_graph.stages}
+    assert {"dynamo", "forward", "backward"} <= subgraphs
+    assert {s.subgraph for s in report.graph("optimizer step").stages} == {"dynamo", "inference"}
+    for g in report.graphs:
+        assert g.kernel_backends == ["cpp"]
+
+
+def test_report_shows_the_rewrite_with_dtypes(inspected):
+    report, model = inspected[:2]
+    step = report.graph("optimizer step")
+    code = {s.name: s.code for s in step.stages if s.subgraph == "dynamo"}
+    assert "split_weights_decode" not in code["captured"]
+    assert 'weight_master: "f32[64, 64]cpu" = flash_inductor_formats_split_weights_decode(' in code["split_weights"]
+    assert '_error: "i8[64, 64]cpu"' in code["split_weights"]
+    assert "CompandedState(bf16[64, 64]cpu)" in code["companded_states"]
+    rows = {(r[0], r[3]): r[4] for r in report.summary_rows()}
+    # 4 bf16 parameters (two Linear weights and biases; LayerNorm stays fp32, no error term)
+    assert rows[(step.name, "split_weights")] == 4
+    summary = report.summary()
+    assert f"AdamW: {sum(p.numel() for p in model.parameters()):,} parameters; bytes/param: weights" in summary
+
+
+def test_report_prints_and_saves(inspected, tmp_path):
+    report = inspected[0]
+    text = str(report)
+    assert text.startswith(report.summary())
+    assert "after split_weights" in text
+    report.save(tmp_path)
+    step = report.graph("optimizer step")
+    files = sorted(os.listdir(tmp_path / step.name))
+    assert "dynamo.captured.py" in files and "dynamo.split_weights.py" in files
+    assert "inference.inductor_output.py" in files
+    assert (tmp_path / "summary.txt").read_text().strip() == report.summary().strip()
+
+
+def test_dump_environment_variable_writes_every_graph(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHOPTIM_DUMP", str(tmp_path))
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: torch.relu(x) * 2, backend="flashoptim", options={"compiler": "eager"})
+    f(torch.randn(4))
+    (graph_dir,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert "relu" in (graph_dir / "dynamo.captured.py").read_text()
