@@ -1,4 +1,10 @@
-"""Checks on a prepared optimizer's inputs before its step runs."""
+"""Checks on a prepared optimizer's inputs before its step runs.
+
+Everything here only reads: a step that fails a check raises before anything is written, so
+parameters, error terms and states are left as they were.
+"""
+
+import math
 
 import torch
 
@@ -23,30 +29,60 @@ def check_before_step(optimizer):
                     f"parameter '{name}': gradient is {p.grad.dtype}{list(p.grad.shape)} but the parameter is "
                     f"{p.dtype}{list(p.shape)}"
                 )
-        if record.check_numerics:
+    if record.check_numerics:
+        for group in optimizer.param_groups:
             check_lr_moves_weights(record, group)
 
 
 def smallest_step(param, error_term):
-    """The smallest change the stored master of ``param`` can represent at its largest magnitude."""
+    """The smallest update that still changes the stored master of ``param`` at its largest
+    magnitude: half the master's resolution there (a smaller change rounds back to the same
+    stored value; FlashOptim's ``check_numerics`` uses the same criterion).
+
+    The resolution is one ULP of an fp32 parameter, one ULP of a bf16/fp16 parameter without an
+    error term, and one error-term code step, ``half_ulp(hi) / N``, of a split weight.
+    """
     largest = param.detach().abs().max().float()
+    if not torch.isfinite(largest):
+        return 0.0  # non-finite weights: nothing meaningful to check
     if param.dtype == torch.float32:
-        return float(largest) * torch.finfo(torch.float32).eps / 2
+        if float(largest) == 0.0:
+            return 2.0 ** -150  # half the smallest subnormal
+        exponent = max(math.frexp(float(largest))[1] - 1, -126)
+        return 2.0 ** (exponent - 23) / 2
     half_ulp = 2.0 ** float(split_weights.half_ulp_log2(largest.to(param.dtype)))
     if error_term is None:
         return half_ulp
-    return half_ulp / split_weights.code_max(error_term.dtype)
+    return half_ulp / split_weights.code_max(error_term.dtype) / 2
+
+
+def _master_description(record, param):
+    error = record.error_term(param)
+    if error is not None:
+        return f"{record.master_weight_bits}-bit split masters ({param.dtype} + {error.dtype} error term)"
+    return f"{param.dtype} masters (no error term)"
 
 
 def check_lr_moves_weights(record, group):
-    """FlashOptim's ``check_numerics``: refuse a learning rate whose steps round away to nothing."""
+    """FlashOptim's ``check_numerics``: refuse a learning rate whose steps round away to nothing.
+
+    Only parameters this step updates (those with a gradient) are checked; ``lr = 0`` (e.g. the
+    first step of a warmup) is a deliberate no-op and passes.
+    """
     lr = float(group["lr"])
+    if lr == 0.0:
+        return
     for p in group["params"]:
+        if p.grad is None or p.numel() == 0:
+            continue
         floor = smallest_step(p, record.error_term(p))
         if lr < floor:
+            name = record.param_names.get(p, "?")
+            fixes = "raise lr"
+            if record.error_term(p) is not None and record.master_weight_bits != 32:
+                fixes += ", use prepare(..., master_weight_bits=32)"
             raise ValueError(
-                f"lr={lr:g} is too small to move parameter '{record.param_names.get(p, '?')}' "
-                f"(largest |w| = {float(p.detach().abs().max()):g}, smallest representable step {floor:g} with "
-                f"{record.master_weight_bits or p.dtype}-bit masters); raise lr, use master_weight_bits=32, "
-                "or pass check_numerics=False to prepare"
+                f"lr={lr:g} is too small to move parameter '{name}': its largest |w| = "
+                f"{float(p.detach().abs().max()):g} stored as {_master_description(record, p)} only changes by "
+                f"steps of at least {floor:g}; {fixes}, or pass check_numerics=False to prepare"
             )

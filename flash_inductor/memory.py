@@ -38,8 +38,8 @@ def memory_report(model, optimizer):
     """Bytes by component for the parameters of ``optimizer`` (prepared or stock).
 
     ``grads`` counts the gradient tensors present now, or, when none are allocated (after
-    ``zero_grad``), what they will take: one gradient of each parameter's dtype. ``model`` may be
-    None; when given, it must own the optimizer's parameters.
+    ``zero_grad``), what they will take: one gradient of each parameter's dtype, for parameters
+    that require one. ``model`` may be None; when given, it must own the optimizer's parameters.
     """
     record = roles.PREPARED.get(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -51,7 +51,10 @@ def memory_report(model, optimizer):
     sizes = dict.fromkeys(("weights", "error_terms", "states", "state_scales", "grads"), 0)
     for p in params:
         sizes["weights"] += _nbytes(p)
-        sizes["grads"] += _nbytes(p.grad) if p.grad is not None else _nbytes(p)
+        if p.grad is not None:
+            sizes["grads"] += _nbytes(p.grad)
+        elif p.requires_grad:
+            sizes["grads"] += _nbytes(p)
         if record is not None and record.error_term(p) is not None:
             sizes["error_terms"] += _nbytes(record.error_term(p))
         for key, value in optimizer.state.get(p, {}).items():

@@ -40,7 +40,6 @@ EAGER = {"compiler": "eager"}
 # A pass that fails is skipped with a warning and the step silently runs without it: here, fail.
 pytestmark = pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
 STEPS = 50
-WORST = [0.0]
 
 
 @pytest.fixture(autouse=True)
@@ -206,36 +205,53 @@ def fp32_bias_correction(beta, step):
 def ref_one_step(algo, h, p, g, states, step):
     """One fp64 step of ``algo`` from master ``p``, bf16 grad ``g`` and decoded ``states``.
 
-    Returns (new master, new states, mask of elements whose update direction is ambiguous: Lion's
-    sign of a sum that cancels to within fp32 rounding)."""
+    Returns (new master, new states, size, ambiguous):
+    - size: ``|p|`` plus the update recomputed with every term taken in absolute value, the scale
+      that the fp32 rounding errors of the step are relative to (cancellation in, e.g., Nesterov's
+      ``g + momentum * buf`` leaves those errors in a small result);
+    - ambiguous: elements whose update direction fp32 cannot decide (Lion's sign of a sum that
+      cancels to within fp32 rounding)."""
     lr, wd = h["lr"], h.get("weight_decay", 0.0)
     new = dict(states)
+    size = p.abs()
     ambiguous = torch.zeros_like(p, dtype=torch.bool)
     if algo in ("adamw", "adam"):  # torch.optim.Adam / AdamW, single- and multi-tensor alike
         b1, b2 = h["betas"]
+        g_size = g.abs()
         if algo == "adamw":
             p = p * (1 - lr * wd)
         else:
             g = g + wd * p
+            g_size = g_size + wd * size
         new["exp_avg"] = b1 * states["exp_avg"] + (1 - b1) * g
+        m_size = b1 * states["exp_avg"].abs() + (1 - b1) * g_size
         new["exp_avg_sq"] = b2 * states["exp_avg_sq"] + (1 - b2) * g * g
         v = new["exp_avg_sq"]
         if h["amsgrad"]:
             new["max_exp_avg_sq"] = torch.maximum(states["max_exp_avg_sq"], v)
             v = new["max_exp_avg_sq"]
         bc1, bc2 = fp32_bias_correction(b1, step), fp32_bias_correction(b2, step)
-        p = p - lr / bc1 * new["exp_avg"] / (v.sqrt() / bc2.sqrt() + h["eps"])
+        denom = v.sqrt() / bc2.sqrt() + h["eps"]
+        p = p - lr / bc1 * new["exp_avg"] / denom
+        size = size + lr / bc1 * m_size / denom
     elif algo in ("sgd", "sgdw"):  # torch.optim.SGD (dampening 0) / SGDW docstring
         mom = h["momentum"]
+        g_size = g.abs()
         if algo == "sgdw":
             p = p * (1 - lr * wd)
         else:
             g = g + wd * p
-        d = g
+            g_size = g_size + wd * size
+        d, d_size = g, g_size
         if mom:
             new["momentum_buffer"] = mom * states["momentum_buffer"] + g
-            d = g + mom * new["momentum_buffer"] if h["nesterov"] else new["momentum_buffer"]
+            buf_size = mom * states["momentum_buffer"].abs() + g_size
+            if h["nesterov"]:
+                d, d_size = g + mom * new["momentum_buffer"], g_size + mom * buf_size
+            else:
+                d, d_size = new["momentum_buffer"], buf_size
         p = p - lr * d
+        size = size + lr * d_size
     elif algo == "lion":
         b1, b2 = h["betas"]
         p = p * (1 - lr * wd)
@@ -243,10 +259,11 @@ def ref_one_step(algo, h, p, g, states, step):
         c = a + b
         ambiguous = (c.abs() <= 2.0**-20 * (a.abs() + b.abs())) & (c != 0)
         p = p - lr * torch.sign(c)
+        size = size + lr
         new["exp_avg"] = b2 * states["exp_avg"] + (1 - b2) * g
     else:
         raise AssertionError(algo)
-    return p, new, ambiguous
+    return p, new, size, ambiguous
 
 
 # ============================================================================ harness
@@ -367,7 +384,6 @@ def test_masters_track_fp32_reference_much_closer_than_bf16(name, foreach):
     err24 = max_master_error(*ours[24], ref)
     err32 = max_master_error(*ours[32], ref)
     err_bf16 = max_param_error(plain, ref)
-    print("TRACK", name, foreach, err24, err32, err_bf16, err_bf16 / err24, err32 / err24)
     assert err_bf16 > 1e-3, "the setting must be one where bf16 parameters lose precision"
     assert err24 * MIN_TRACKING_RATIO <= err_bf16, (err24, err_bf16, err_bf16 / err24)
     assert err32 <= MAX_32_OVER_24 * err24, (err32, err24)
@@ -390,12 +406,13 @@ ONE_STEP_CASES = {
     "SGDW": (SGDW, dict(lr=1e-2, momentum=0.9, weight_decay=1e-2), "sgdw"),
     "Lion": (Lion, dict(lr=1e-4, weight_decay=0.1), "lion"),
 }
-# Measured over 50 steps of every case (0.9M master elements, 0.9M-2.8M state codes per case):
-# codes one step off: at most 3.1e-5 of all codes (AdamW), never two; scales differing: at most 47
-# of 58k, each by one fp16 ulp; masters: at most 10 per case with a different bf16 hi (a rounding
-# boundary), all within one error-code step of the fp64 master except where fp32 arithmetic of the
-# update itself is coarser than a code step (parameters passing near zero): there, the excess over
-# one code step was at most 2.3 fp32 ulps of max(|old|, |update|). Required below: 8 ulps.
+# Measured over 50 steps of every case (0.93M master elements, 0.93M-2.8M state codes per case):
+# codes one step off: at most 4.2e-5 of all codes (AdamW-foreach: 78 of 1.86M), never two; scales
+# differing: at most 58 of 58k groups, each by one fp16 ulp; masters: at most 10 per case with a
+# different bf16 hi (a rounding boundary); all masters within one error-code step of the fp64 one
+# except at most 13 per case (parameters passing near zero, where the fp32 arithmetic of the update
+# is coarser than a code step), and those exceed it by at most 1.6 fp32 ulps of ``size`` (see
+# ref_one_step). Required: <= 1e-3 off-by-one codes and masters outside one code step, 8 ulps.
 MAX_CODE_OFF_BY_ONE = 1e-3
 MAX_MASTERS_OUTSIDE_ONE_CODE = 1e-3
 FP32_ALLOWANCE_ULPS = 8
@@ -403,7 +420,6 @@ FP32_ALLOWANCE_ULPS = 8
 
 @pytest.mark.parametrize("name", list(ONE_STEP_CASES))
 def test_one_step_matches_fp64_reference_within_one_code_step(name):
-    WORST[0] = 0.0
     cls, kwargs, algo = ONE_STEP_CASES[name]
     model = mlp()
     opt = cls(model.parameters(), **kwargs)
@@ -430,18 +446,17 @@ def test_one_step_matches_fp64_reference_within_one_code_step(name):
         opt.zero_grad()
 
         for p in model.parameters():
-            old, new, new_states, ambiguous = expected[p]
+            old, new, new_states, size, ambiguous = expected[p]
             got = ref_split_decode(p.detach(), record.error_term(p), 127)
             hi_ref, _, k_ref = ref_split_encode(new, 127)
             code_step = torch.exp2(k_ref) / 127
-            fp32_slack = FP32_ALLOWANCE_ULPS * 2.0**-24 * torch.maximum(old.abs(), (new - old).abs())
+            fp32_slack = FP32_ALLOWANCE_ULPS * 2.0**-24 * size
             diff = (got - new).abs()
             check = ~ambiguous
             assert (diff <= code_step + fp32_slack)[check].all(), (
                 f"step {i}: master off by {(diff / code_step)[check].max().item():.3g} code steps"
             )
             master_off += (diff > code_step)[check].sum().item()
-            WORST[0] = max(WORST[0], ((diff - code_step) / (2.0**-24 * torch.maximum(old.abs(), (new - old).abs())))[check].max().item())
             n_master += check.sum().item()
             n_ambiguous += ambiguous.sum().item()
             hi_differs += (p.detach().double() != hi_ref).sum().item()
@@ -459,7 +474,6 @@ def test_one_step_matches_fp64_reference_within_one_code_step(name):
                 assert ((scales - scales_ref).abs() <= fp16_ulp).all(), f"step {i} {key}: scales"
                 scale_differs += (scales != scales_ref).sum().item()
 
-    print("ONESTEP", name, dict(n_codes=n_codes, codes_off=codes_off, n_master=n_master, master_off=master_off, hi_differs=hi_differs, scale_differs=scale_differs, n_ambiguous=n_ambiguous, worst_excess=WORST[0]))
     assert codes_off <= MAX_CODE_OFF_BY_ONE * n_codes, (codes_off, n_codes)
     assert master_off <= MAX_MASTERS_OUTSIDE_ONE_CODE * n_master, (master_off, n_master)
     assert hi_differs <= 1e-4 * n_master, hi_differs
@@ -515,14 +529,16 @@ def compiled_vs_eager():
             opt.zero_grad()
         for c, r in runs.items():
             snaps[c].append(snapshot(*r))
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = (counters["stats"]["unique_graphs"], counters["aot_autograd"]["ok"])
     torch._dynamo.reset()
     return before, snaps, graphs
 
 
 def test_inductor_step_matches_eager_rewrite(compiled_vs_eager):
     before, snaps, graphs = compiled_vs_eager
-    assert graphs == 2  # one optimizer-step graph per run; no recompiles over 4 steps
+    # one optimizer-step graph per run, no recompiles over 4 steps; only one went through
+    # AOTAutograd + Inductor (compiler="eager" runs the rewritten Dynamo graph as is)
+    assert graphs == (2, 1)
     n_params = differ_hi = 0
     for step in range(COMPILED_STEPS):
         for (hi_c, lo_c, st_c), (hi_e, lo_e, st_e) in zip(snaps["inductor"][step], snaps["eager"][step]):
@@ -539,8 +555,8 @@ def test_inductor_step_matches_eager_rewrite(compiled_vs_eager):
                 (codes_c, scales_c), (codes_e, scales_e) = st_c[key], st_e[key]
                 assert ((codes_c.int() - codes_e.int()).abs() <= 1).all(), f"step {step} {key}: codes"
                 assert (scales_c.view(torch.int16).int() - scales_e.view(torch.int16).int()).abs().max() <= 1
-    print("INDUCTOR", differ_hi, n_params)
-    # measured: bf16 params bit-identical (0 of 13.9k x 3 differ) on torch 2.13 CPU
+    # measured on torch 2.13 CPU: bit-identical params, error terms, codes and scales at every step
+    # (4680 parameters x 3 steps); the tolerances above are what DESIGN §3 allows (FMA contraction)
     assert differ_hi <= 1e-3 * n_params, (differ_hi, n_params)
 
 
@@ -632,9 +648,9 @@ def test_lr_scheduler_changes_lr_without_recompiling(name, monkeypatch):
     assert backend_calls == [1]
     assert counters["stats"]["unique_graphs"] == 1
     err = max_master_error(model, opt, ref)
-    print("SCHED", name, err, max_param_error(plain, ref), max_param_error(fixed, ref))
     # the lr used is the scheduled one: as close to the scheduled fp32 run as in test 1, and far
-    # closer to it than the run that kept the initial lr
+    # closer to it than the run that kept the initial lr. Measured after 10 steps: err 5.9e-6 to
+    # 7.2e-6; plain bf16 1.3e-3 to 1.7e-3 (190x-240x); the fixed-lr run 3.4e-3 to 7.5e-3 (480x+).
     assert err * MIN_TRACKING_RATIO <= max_param_error(plain, ref)
     assert err * 100 <= max_param_error(fixed, ref)
 

@@ -19,7 +19,12 @@ codes are relative to exactly what decode multiplies by. FlashOptim instead divi
 absmax and only rounds the scale when storing it; the two differ only by the fp16 rounding of the
 scale (at most 2**-11 relative for normal fp16 scales, i.e. a code step at most). All arithmetic is
 fp32; tests/test_formats.py checks codes against an fp64 reference (equal, or one code step apart at
-a rounding boundary) and decode bit for bit against an fp32 op-by-op reference.
+a rounding boundary) and decode bit for bit against an fp32 op-by-op reference. Decode multiplies by
+``fp32(1/127)`` / ``fp32(1/255)`` instead of dividing, so it gives the same bits on every device.
+
+Compiling: needs ``emulate_precision_casts=True`` (otherwise the fp16 rounding of the scale is
+skipped inside the kernel, and on torch 2.11's C++ backend it is skipped even with it), and on
+Triton ``eager_numerics.division_rounding=True`` for eager-identical divisions.
 
 Edge cases:
 - A partial last group is padded with zeros (codes 0); an all-zero group stores scale 0, codes 0.
@@ -95,11 +100,13 @@ def decode(codes, scales, shape, kind):
     """fp32 tensor of ``shape`` from ``(codes, scales)``."""
     scale = scales.float().view(-1, 1)
     q = codes.view(-1, GROUP_SIZE).float()
+    # q / 127 and q / 255 as q * fp32(1/127) etc.: CUDA eager divides by a Python scalar that way,
+    # so multiplying explicitly gives the same bits on CPU, CUDA and compiled code.
     if kind == SIGNED:
-        y = q / 127
+        y = q * (1.0 / 127)
         x = y / (2 - y.abs()) * scale
     elif kind == SQRT:
-        x = (q / 255 * scale) ** 2
+        x = (q * (1.0 / 255) * scale) ** 2
     else:
         raise ValueError(f"unknown companded state kind {kind!r}; expected {SIGNED!r} or {SQRT!r}")
     numel = 1

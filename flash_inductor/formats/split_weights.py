@@ -14,7 +14,8 @@ Exactness (tests/test_formats.py checks ``hi`` and ``lo`` bit for bit against an
 ``x - hi`` and the power-of-two scaling are exact in fp32, but the product ``rel * N`` is not (up to
 24 + 15 significant bits), and ``floor(s + 0.5)`` misrounds just below a .5 boundary. So the code is
 rounded exactly, in fp32 only (no fp64, so it fuses into any Inductor kernel); see ``_round_code``.
-Decode is plain fp32 arithmetic (within one fp32 rounding of the exact value).
+Decode is plain fp32 arithmetic, ``lo * fp32(1/N)`` rather than ``lo / N`` so that every device
+gives the same bits (within one fp32 rounding of the exact value either way).
 
 Non-finite masters (inf/nan, and finite x whose ``hi`` overflows to inf) keep the non-finite ``hi``
 and store ``lo = 0``. Encode needs ``torch._inductor.config.emulate_precision_casts=True`` when
@@ -97,8 +98,13 @@ def encode(x, hi_dtype, lo_dtype):
 
 
 def decode(hi, lo):
-    """The fp32 master value of a split weight."""
-    return hi.float() + _scale_by_pow2(lo.float() / _CODE_MAX[lo.dtype], half_ulp_log2(hi))
+    """The fp32 master value of a split weight.
+
+    ``lo / N`` is computed as ``lo * fp32(1 / N)``: CUDA eager evaluates a division by a Python
+    scalar that way, while CPU eager and Triton (with ``eager_numerics.division_rounding``) divide;
+    multiplying explicitly gives the same bits on every device, eager or compiled.
+    """
+    return hi.float() + _scale_by_pow2(lo.float() * (1.0 / _CODE_MAX[lo.dtype]), half_ulp_log2(hi))
 
 
 def store(hi, lo, master):
