@@ -82,8 +82,10 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
     patches = dict(ctx.options.inductor)
     if result.rewritten:
         # The passes' numerics round to bf16/fp16 inside fused kernels; Inductor would otherwise
-        # keep the fp32 value there (DESIGN.md §3, pitfall).
+        # keep the fp32 value there (DESIGN.md §3, pitfall). Triton's default fp32 division is
+        # approximate; the encodes divide, and must give eager's codes.
         patches["emulate_precision_casts"] = True
+        patches["eager_numerics.division_rounding"] = True
         patches.update(_compat.inductor_patches_for_rewritten_graphs())
     post_grad = AtenPasses(aten_passes, ctx, result.name)
     if post_grad.passes or record is not None:  # when inspecting, it records the post-grad graphs

@@ -38,10 +38,12 @@ def bound_inputs(gm: fx.GraphModule):
     return [n.meta[BOUND_INPUT] for n in gm.graph.nodes if n.op == "placeholder" and BOUND_INPUT in n.meta]
 
 
-def work_on_decoded_copy(graph: fx.Graph, node: fx.Node, decode, store, extra=(), name=None):
-    """Make every use of the stored input ``node`` use ``decode(node, *extra)`` instead, and write
-    the result back once at the end with ``store(node, *extra, decoded)`` (unless ``store`` is
-    None: a read-only input).
+def work_on_decoded_copy(graph: fx.Graph, node: fx.Node, decode, store, extra=(), name=None, view=None,
+                         decode_kwargs=None):
+    """Make every use of the stored input ``node`` use ``decode(node, *extra, **decode_kwargs)``
+    instead, and write the result back once with ``store(node, *extra, decoded)`` (unless
+    ``store`` is None: a read-only input). With ``view`` (a shape), ``node`` and ``extra`` are
+    viewed as that shape before both calls.
 
     The decode goes right before the first use and the store right after the last one: inputs
     stay first, the decoded value lives no longer than needed, and both run under the grad mode
@@ -50,14 +52,35 @@ def work_on_decoded_copy(graph: fx.Graph, node: fx.Node, decode, store, extra=()
     position = _position(graph)
     first_use = min(node.users, key=position)
     with graph.inserting_before(first_use):
-        decoded = graph.create_node("call_function", decode, (node, *extra), name=name)
-    node.replace_all_uses_with(decoded, delete_user_cb=lambda user: user is not decoded)
+        inputs = [node, *extra]
+        if view is not None:
+            inputs = [graph.call_method("view", (x, *view)) for x in inputs]
+        decoded = graph.create_node("call_function", decode, tuple(inputs), decode_kwargs or {}, name=name)
+    keep = {decoded, *inputs}
+    node.replace_all_uses_with(decoded, delete_user_cb=lambda user: user not in keep)
     if store is not None:
-        last_use = max(decoded.users, key=position)
+        last_use = max(_uses_through_views(decoded), key=_position(graph))
         where = graph.inserting_before(last_use) if last_use.op == "output" else graph.inserting_after(last_use)
         with where:
-            graph.call_function(store, (node, *extra, decoded))
+            graph.call_function(store, (*inputs, decoded))
     return decoded
+
+
+def view_as(graph: fx.Graph, node: fx.Node, shape, name=None):
+    """Make every use of ``node`` use ``node.view(shape)`` (in-place updates still reach it)."""
+    first_use = min(node.users, key=_position(graph))
+    with graph.inserting_before(first_use):
+        viewed = graph.create_node("call_method", "view", (node, *shape), name=name)
+    node.replace_all_uses_with(viewed, delete_user_cb=lambda user: user is not viewed)
+    return viewed
+
+
+def _uses_through_views(node):
+    """Users of ``node`` and of views of it (``view`` nodes alias their input)."""
+    for user in node.users:
+        if user.op == "call_method" and user.target == "view":
+            yield from _uses_through_views(user)
+        yield user
 
 
 def _position(graph):

@@ -74,6 +74,20 @@ class PreparedOptimizer:
     def layout(self, group):
         return _layouts()[type(self.optimizer)](self.optimizer, group)
 
+    def update_shape(self, param):
+        """The shape the compiled step updates ``param`` in.
+
+        With 8-bit states that is their storage layout, ``(groups, 32)``, for the master, the
+        gradient and every state alike: the update, the per-group absmax and the encode then share
+        one iteration space, and Inductor fuses each parameter's step into one kernel without an
+        fp32 copy of any state. Valid because every supported optimizer is elementwise. Tensors
+        whose size is not a multiple of 32 (or whose states are unquantized) keep their shape.
+        """
+        states = self.optimizer.state.get(param, {}).values()
+        if param.numel() % companded.GROUP_SIZE == 0 and any(isinstance(s, CompandedState) for s in states):
+            return (param.numel() // companded.GROUP_SIZE, companded.GROUP_SIZE)
+        return tuple(param.shape)
+
 
 def prepared(optimizer) -> PreparedOptimizer:
     try:

@@ -9,9 +9,11 @@ from flash_inductor.pipeline import ATEN, TORCH, GraphPass
 from .companded_states import companded_states_pass
 from .split_weights import split_weights_pass
 
+# companded_states runs first: it sets the layout of the update (see update_shape), which
+# split_weights then decodes the master in.
 TORCH_PASSES = (
-    GraphPass("split_weights", TORCH, split_weights_pass),
     GraphPass("companded_states", TORCH, companded_states_pass),
+    GraphPass("split_weights", TORCH, split_weights_pass),
 )
 ATEN_PASSES = ()
 ALL_PASSES = TORCH_PASSES + ATEN_PASSES

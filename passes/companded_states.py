@@ -23,7 +23,9 @@ After::
     p.addcdiv_(exp_avg_fp32, denom)
     CompandedState.store(exp_avg, exp_avg_fp32)     # codes, scales <- encode(exp_avg_fp32)
 
-Only states the graph writes, and gradients of parameters it updates, are rewritten.
+Only states the graph writes, and gradients of parameters it updates, are rewritten. With 8-bit
+states every input of a parameter's update is viewed in the states' storage layout, ``(groups,
+32)`` (see ``PreparedOptimizer.update_shape``), so Inductor fuses update and encode per group.
 """
 
 import torch
@@ -38,23 +40,30 @@ def to_fp32(t):
 
 
 def companded_states_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]:
-    updated = {id(r.param) for n, r in ctx.roles.items() if r.kind == roles.PARAM and n in ctx.written}
-    rewrites = {}  # node name -> (decode, store)
+    updated = {r.param for n, r in ctx.roles.items() if r.kind == roles.PARAM and n in ctx.written}
+    rewrites = {}  # node name -> work_on_decoded_copy keyword arguments
+    raw_params = {}  # parameter node name -> update shape, for parameters updated in groups
     for name, role in ctx.roles.items():
-        if id(role.param) not in updated:
+        if role.param not in updated:
             continue
-        if role.kind == roles.GRAD and role.param.grad.dtype in (torch.bfloat16, torch.float16):
-            rewrites[name] = (to_fp32, None)
+        shape = role.prepared.update_shape(role.param)
+        regrouped = shape != tuple(role.param.shape)
+        if role.kind == roles.GRAD and (regrouped or role.param.grad.dtype in (torch.bfloat16, torch.float16)):
+            rewrites[name] = dict(decode=to_fp32, store=None, view=shape if regrouped else None)
         elif role.kind == roles.STATE and name in ctx.written:
             state = role.prepared.optimizer.state[role.param][role.state_key]
             if isinstance(state, StateTensor):
-                rewrites[name] = (type(state).decode, type(state).store)
+                rewrites[name] = dict(decode=type(state).decode, store=type(state).store, decode_kwargs={"shape": shape})
+        elif role.kind == roles.PARAM and regrouped:
+            raw_params[name] = shape
     if not rewrites:
         return gm, []
     gm = graph_utils.copy_graph_module(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
-    for name, (decode, store) in rewrites.items():
-        graph_utils.work_on_decoded_copy(gm.graph, nodes[name], decode, store, name=ctx.roles[name].node_name("fp32"))
+    for name, kwargs in rewrites.items():
+        graph_utils.work_on_decoded_copy(gm.graph, nodes[name], name=ctx.roles[name].node_name("fp32"), **kwargs)
+    for name, shape in raw_params.items():
+        graph_utils.view_as(gm.graph, nodes[name], shape, name=ctx.roles[name].node_name("groups"))
     gm.graph.lint()
     gm.recompile()
     return gm, list(rewrites)

@@ -28,7 +28,7 @@ def rewritten_code(make_optimizer, stage):
 class TestGoldenGraphs(expecttest.TestCase):
     def test_sgdw_momentum_step(self):
         self.assertExpectedInline(
-            rewritten_code(lambda ps: SGDW(ps, lr=0.1, momentum=0.9, weight_decay=0.01), "companded_states"),
+            rewritten_code(lambda ps: SGDW(ps, lr=0.1, momentum=0.9, weight_decay=0.01), "split_weights"),
             """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_original_self_param_groups_0_lr_: "f32[]cpu", L_original_self_param_groups_0_params_0_grad: "bf16[4, 8]cpu", L_original_self_state_list_dict_keys_L_original_self_state_0_momentum_buffer_: "CompandedState(bf16[4, 8]cpu)", weight_error: "i8[4, 8]cpu"):
@@ -39,23 +39,27 @@ class GraphModule(torch.nn.Module):
         p: "bf16[4, 8]cpu" = self.original_____self___param_groups_0__params___0
         mul: "f32[]cpu" = l_original_self_param_groups_0_lr_ * 0.01
         sub: "f32[]cpu" = 1 - mul;  mul = None
-        weight_master: "f32[4, 8]cpu" = flash_inductor_formats_split_weights_decode(p, weight_error)
-        mul_: "f32[4, 8]cpu" = weight_master.mul_(sub);  sub = mul_ = None
-        weight_momentum_buffer_fp32: "f32[4, 8]cpu" = flash_inductor_formats_state_tensor_decode(l_original_self_state_list_dict_keys_l_original_self_state_0_momentum_buffer_)
-        mul__1: "f32[4, 8]cpu" = weight_momentum_buffer_fp32.mul_(0.9)
-        weight_grad_fp32: "f32[4, 8]cpu" = flash_inductor_passes_companded_states_to_fp32(l_original_self_param_groups_0_params_0_grad);  l_original_self_param_groups_0_params_0_grad = None
-        add_: "f32[4, 8]cpu" = mul__1.add_(weight_grad_fp32, alpha = 1.0);  mul__1 = weight_grad_fp32 = add_ = None
-        mul_1: "f32[4, 8]cpu" = weight_momentum_buffer_fp32 * l_original_self_param_groups_0_lr_;  l_original_self_param_groups_0_lr_ = None
-        store_1 = flash_inductor_formats_state_tensor_store(l_original_self_state_list_dict_keys_l_original_self_state_0_momentum_buffer_, weight_momentum_buffer_fp32);  l_original_self_state_list_dict_keys_l_original_self_state_0_momentum_buffer_ = weight_momentum_buffer_fp32 = store_1 = None
-        sub_: "f32[4, 8]cpu" = weight_master.sub_(mul_1);  mul_1 = sub_ = None
-        store = flash_inductor_formats_split_weights_store(p, weight_error, weight_master);  p = weight_error = weight_master = store = None
+        view_1: "bf16[1, 32]cpu" = p.view(1, 32);  p = None
+        view_2: "i8[1, 32]cpu" = weight_error.view(1, 32);  weight_error = None
+        weight_master: "f32[1, 32]cpu" = flash_inductor_formats_split_weights_decode(view_1, view_2)
+        weight_groups: "f32[1, 32]cpu" = weight_master.view(1, 32)
+        mul_: "f32[1, 32]cpu" = weight_groups.mul_(sub);  sub = mul_ = None
+        weight_momentum_buffer_fp32: "f32[1, 32]cpu" = flash_inductor_formats_state_tensor_decode(l_original_self_state_list_dict_keys_l_original_self_state_0_momentum_buffer_, shape = (1, 32))
+        mul__1: "f32[1, 32]cpu" = weight_momentum_buffer_fp32.mul_(0.9)
+        view: "bf16[1, 32]cpu" = l_original_self_param_groups_0_params_0_grad.view(1, 32);  l_original_self_param_groups_0_params_0_grad = None
+        weight_grad_fp32: "f32[1, 32]cpu" = flash_inductor_passes_companded_states_to_fp32(view);  view = None
+        add_: "f32[1, 32]cpu" = mul__1.add_(weight_grad_fp32, alpha = 1.0);  mul__1 = weight_grad_fp32 = add_ = None
+        mul_1: "f32[1, 32]cpu" = weight_momentum_buffer_fp32 * l_original_self_param_groups_0_lr_;  l_original_self_param_groups_0_lr_ = None
+        store = flash_inductor_formats_state_tensor_store(l_original_self_state_list_dict_keys_l_original_self_state_0_momentum_buffer_, weight_momentum_buffer_fp32);  l_original_self_state_list_dict_keys_l_original_self_state_0_momentum_buffer_ = weight_momentum_buffer_fp32 = store = None
+        sub_: "f32[1, 32]cpu" = weight_groups.sub_(mul_1);  weight_groups = mul_1 = sub_ = None
+        store_1 = flash_inductor_formats_split_weights_store(view_1, view_2, weight_master);  view_1 = view_2 = weight_master = store_1 = None
         _set_grad_enabled_1 = torch._C._set_grad_enabled(True);  _set_grad_enabled_1 = None
         return ()""",
         )
 
     def test_lion_step(self):
         self.assertExpectedInline(
-            rewritten_code(lambda ps: Lion(ps, lr=1e-4, weight_decay=0.1), "companded_states"),
+            rewritten_code(lambda ps: Lion(ps, lr=1e-4, weight_decay=0.1), "split_weights"),
             """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_original_self_param_groups_0_lr_: "f32[]cpu", L_original_self_param_groups_0_params_0_grad: "bf16[4, 8]cpu", L_original_self_state_list_dict_keys_L_original_self_state_0_exp_avg_: "CompandedState(bf16[4, 8]cpu)", weight_error: "i8[4, 8]cpu"):
@@ -66,18 +70,22 @@ class GraphModule(torch.nn.Module):
         p: "bf16[4, 8]cpu" = self.original_____self___param_groups_0__params___0
         mul: "f32[]cpu" = l_original_self_param_groups_0_lr_ * 0.1
         sub: "f32[]cpu" = 1 - mul;  mul = None
-        weight_master: "f32[4, 8]cpu" = flash_inductor_formats_split_weights_decode(p, weight_error)
-        mul_: "f32[4, 8]cpu" = weight_master.mul_(sub);  sub = mul_ = None
-        weight_exp_avg_fp32: "f32[4, 8]cpu" = flash_inductor_formats_state_tensor_decode(l_original_self_state_list_dict_keys_l_original_self_state_0_exp_avg_)
-        mul_1: "f32[4, 8]cpu" = weight_exp_avg_fp32.mul(0.9)
-        weight_grad_fp32: "f32[4, 8]cpu" = flash_inductor_passes_companded_states_to_fp32(l_original_self_param_groups_0_params_0_grad);  l_original_self_param_groups_0_params_0_grad = None
-        add_: "f32[4, 8]cpu" = mul_1.add_(weight_grad_fp32, alpha = 0.09999999999999998);  mul_1 = None
-        update: "f32[4, 8]cpu" = add_.sign_();  add_ = None
-        mul_2: "f32[4, 8]cpu" = update * l_original_self_param_groups_0_lr_;  update = l_original_self_param_groups_0_lr_ = None
-        sub_: "f32[4, 8]cpu" = weight_master.sub_(mul_2);  mul_2 = sub_ = None
-        store = flash_inductor_formats_split_weights_store(p, weight_error, weight_master);  p = weight_error = weight_master = store = None
-        lerp_: "f32[4, 8]cpu" = weight_exp_avg_fp32.lerp_(weight_grad_fp32, 0.010000000000000009);  weight_grad_fp32 = lerp_ = None
-        store_1 = flash_inductor_formats_state_tensor_store(l_original_self_state_list_dict_keys_l_original_self_state_0_exp_avg_, weight_exp_avg_fp32);  l_original_self_state_list_dict_keys_l_original_self_state_0_exp_avg_ = weight_exp_avg_fp32 = store_1 = None
+        view_1: "bf16[1, 32]cpu" = p.view(1, 32);  p = None
+        view_2: "i8[1, 32]cpu" = weight_error.view(1, 32);  weight_error = None
+        weight_master: "f32[1, 32]cpu" = flash_inductor_formats_split_weights_decode(view_1, view_2)
+        weight_groups: "f32[1, 32]cpu" = weight_master.view(1, 32)
+        mul_: "f32[1, 32]cpu" = weight_groups.mul_(sub);  sub = mul_ = None
+        weight_exp_avg_fp32: "f32[1, 32]cpu" = flash_inductor_formats_state_tensor_decode(l_original_self_state_list_dict_keys_l_original_self_state_0_exp_avg_, shape = (1, 32))
+        mul_1: "f32[1, 32]cpu" = weight_exp_avg_fp32.mul(0.9)
+        view: "bf16[1, 32]cpu" = l_original_self_param_groups_0_params_0_grad.view(1, 32);  l_original_self_param_groups_0_params_0_grad = None
+        weight_grad_fp32: "f32[1, 32]cpu" = flash_inductor_passes_companded_states_to_fp32(view);  view = None
+        add_: "f32[1, 32]cpu" = mul_1.add_(weight_grad_fp32, alpha = 0.09999999999999998);  mul_1 = None
+        update: "f32[1, 32]cpu" = add_.sign_();  add_ = None
+        mul_2: "f32[1, 32]cpu" = update * l_original_self_param_groups_0_lr_;  update = l_original_self_param_groups_0_lr_ = None
+        sub_: "f32[1, 32]cpu" = weight_groups.sub_(mul_2);  weight_groups = mul_2 = sub_ = None
+        store_1 = flash_inductor_formats_split_weights_store(view_1, view_2, weight_master);  view_1 = view_2 = weight_master = store_1 = None
+        lerp_: "f32[1, 32]cpu" = weight_exp_avg_fp32.lerp_(weight_grad_fp32, 0.010000000000000009);  weight_grad_fp32 = lerp_ = None
+        store = flash_inductor_formats_state_tensor_store(l_original_self_state_list_dict_keys_l_original_self_state_0_exp_avg_, weight_exp_avg_fp32);  l_original_self_state_list_dict_keys_l_original_self_state_0_exp_avg_ = weight_exp_avg_fp32 = store = None
         _set_grad_enabled_1 = torch._C._set_grad_enabled(True);  _set_grad_enabled_1 = None
         return ()""",
         )

@@ -106,12 +106,14 @@ class CompandedState(StateTensor):
         scales = torch.full((groups,), companded.SCALE_FLOOR, dtype=torch.float16, device=like.device)
         return cls(codes, scales, kind, shape=like.shape, dtype=like.dtype)
 
-    def decode(self):
-        """The state's value in fp32."""
-        return companded.decode(self.codes, self.scales, self.shape, self.kind)
+    def decode(self, shape=None):
+        """The state's value in fp32, in ``shape`` (default: the state's own; ``(groups, 32)`` is
+        the layout it is stored in, and needs no data movement)."""
+        return companded.decode(self.codes, self.scales, self.shape if shape is None else shape, self.kind)
 
     def store(self, value):
-        """Encode ``value`` into this state's storage (one rounding)."""
+        """Encode ``value`` (any shape with the state's elements, in order) into this state's
+        storage: one rounding."""
         codes, scales = companded.encode(value, self.kind)
         self.codes.copy_(codes)
         self.scales.copy_(scales)
@@ -139,11 +141,11 @@ class Fp32State(StateTensor):
     def zeros(cls, like):
         return cls(torch.zeros(like.shape, dtype=torch.float32, device=like.device), shape=like.shape, dtype=like.dtype)
 
-    def decode(self):
-        return self.values
+    def decode(self, shape=None):
+        return self.values if shape is None else self.values.view(shape)
 
     def store(self, value):
-        self.values.copy_(value)
+        self.values.copy_(value.view(self.values.shape))
 
     def __repr__(self):
         return f"Fp32State(shape={tuple(self.shape)}, dtype={self.dtype})"
