@@ -11,6 +11,7 @@ import functools
 import itertools
 
 import torch
+from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
 from flash_inductor import _compat, graph_utils, inspection, roles
@@ -67,7 +68,8 @@ def compile_graph(gm, example_inputs, options: Options):
     if options.compiler == "eager":
         compiled = result.graph_module.forward
     else:
-        compiled = _inductor(result, list(example_inputs) + result.bound_inputs, passes.ATEN_PASSES)
+        compiled = _inductor(result, list(example_inputs) + _static_fakes(result.bound_inputs, example_inputs),
+                             passes.ATEN_PASSES)
     if not result.bound_inputs:
         return compiled
 
@@ -75,6 +77,16 @@ def compile_graph(gm, example_inputs, options: Options):
         return compiled(*args, *result.bound_inputs)
 
     return run_with_bound_inputs
+
+
+def _static_fakes(tensors, example_inputs):
+    """The added inputs as fake tensors of Dynamo's fake mode with static shapes. Handed over as
+    real tensors, AOTAutograd would give them symbolic sizes that no guard source backs (Dynamo
+    then fails to build the frame's guards)."""
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        return list(tensors)
+    return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
 
 
 def _inductor(result: Rewritten, example_inputs, aten_passes):

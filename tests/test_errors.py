@@ -394,13 +394,14 @@ def test_unknown_backend_option_lists_valid_options():
 
 def test_disabling_an_unknown_pass_names_known_passes():
     f = lambda x: x * 2  # noqa: E731
-    with pytest.raises(ValueError, match=r"nope.*split_weights.*companded_states"):
+    with pytest.raises(ValueError) as info:
         flash_inductor.compile(f, disable=["nope"])
+    assert all(name in str(info.value) for name in ("nope", "split_weights", "companded_states"))
     compiled = torch.compile(f, backend="flashoptim", options={"disable": ["nope"]})
     with pytest.raises((ValueError, BackendCompilerFailed)) as info:
         compiled(torch.ones(3))
     inner = info.value if isinstance(info.value, ValueError) else info.value.inner_exception
     assert isinstance(inner, ValueError)
-    assert re.search(r"nope.*split_weights.*companded_states", str(inner))
+    assert all(name in str(inner) for name in ("nope", "split_weights", "companded_states"))
     # a known pass is accepted
     assert torch.equal(torch.compile(f, backend="flashoptim", options={"disable": ["split_weights"]})(torch.ones(3)), torch.full((3,), 2.0))
