@@ -125,6 +125,8 @@ def prepare(
       with ``compile_options``); inside a function compiled with ``backend="flashoptim"`` it is
       traced with the rest.
     """
+    # Everything is checked before anything is changed: a refused call leaves model and optimizer as
+    # they were.
     if optimizer in roles.PREPARED:
         raise ValueError(f"{type(optimizer).__name__} is already prepared")
     if state_bits not in (8, None):
@@ -132,6 +134,11 @@ def prepare(
     lo_dtype = None if master_weight_bits is None else split_weights.error_term_dtype(master_weight_bits)
     _check_optimizer(optimizer)
     names = _param_names(model, optimizer)
+    for group in optimizer.param_groups:
+        _check_group(optimizer, group, names)
+    from flash_inductor.options import Options
+
+    Options.from_dict(compile_options)
     masters = _convert_model(model, keep_fp32)
 
     record = PreparedOptimizer(
@@ -139,7 +146,6 @@ def prepare(
         compressed_state_dict, check_numerics,
     )
     for group in optimizer.param_groups:
-        _check_group(optimizer, group)
         _make_lr_tensor(group)
         for p in group["params"]:
             record.param_names[p] = names[p]
@@ -164,22 +170,24 @@ def _check_optimizer(optimizer):
         raise TypeError(f"flash_inductor.prepare supports {names}; got {type(optimizer).__qualname__}")
 
 
-def _check_group(optimizer, group):
+def _check_group(optimizer, group, names):
     name = type(optimizer).__name__
     if group.get("fused"):
         raise ValueError(f"{name}(fused=True) cannot use split weights; construct it with fused=None (the backend fuses the step)")
     if group.get("differentiable"):
-        raise ValueError(f"{name}(differentiable=True) is not supported by flash_inductor.prepare")
+        raise ValueError(
+            f"{name}(differentiable=True) is not supported by flash_inductor.prepare; construct it with differentiable=False"
+        )
     if type(optimizer) is torch.optim.SGD and group.get("dampening", 0) != 0:
         raise ValueError(
             f"{name}(dampening={group['dampening']}) is not supported: prepared momentum buffers start at zero, "
             "so torch's first-step rule (buffer = grad, undampened) cannot be reproduced; use dampening=0"
         )
     for p in group["params"]:
-        if not p.is_floating_point() or p.dtype == torch.float64:
+        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(
-                f"parameter of dtype {p.dtype} is not supported: flash_inductor keeps fp32/bf16/fp16 parameters; "
-                "convert it (e.g. model.float()) before prepare"
+                f"parameter '{names[p]}' has dtype {p.dtype}, which flash_inductor does not support: it keeps "
+                "fp32/bf16/fp16 parameters; convert it (e.g. model.float()) or leave it out of the optimizer"
             )
 
 
@@ -292,7 +300,11 @@ def _route_step_through_backend(optimizer, compile_options):
             with torch.enable_grad():
                 loss = closure()
         checks.check_before_step(self)
-        compiled()
+        # Every optimizer of a class shares one Dynamo cache (one code object, guarded on `self`);
+        # past the recompile limit Dynamo would silently run the step eagerly, without the passes.
+        limit = max(torch._dynamo.config.recompile_limit, 2 * len(roles.PREPARED) + 8)
+        with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+            compiled()
         return loss
 
     optimizer.step = types.MethodType(step, optimizer)

@@ -106,24 +106,6 @@ CASES = {
     "bad_compile_option": (_adamw(), None, {"compile_options": {"bogus": 1}}, ValueError, [r"bogus", r"compiler", r"disable"]),
 }
 
-NOT_NAMED = pytest.mark.xfail(
-    strict=True,
-    reason="prepare.py _check_group: the dtype error does not name the parameter (names are computed but unused)",
-)
-NO_FIX = pytest.mark.xfail(
-    strict=True, reason="prepare.py _check_group: the differentiable=True error does not say the fix (differentiable=False)",
-)
-MESSAGE_MARKS = {"differentiable": NO_FIX, "fp64_param": NOT_NAMED, "complex_param": NOT_NAMED, "int_param": NOT_NAMED}
-
-CORRUPTS = pytest.mark.xfail(
-    strict=True,
-    reason="prepare.py: _check_group (and compile_options validation in _route_step_through_backend) run after "
-    "_convert_model has already cast the model to bf16 in place (and, for compile_options, after the "
-    "optimizer was registered as prepared)",
-)
-CORRUPTING = ("fused", "differentiable", "sgd_dampening", "fp64_param", "complex_param", "int_param", "bad_compile_option")
-
-
 def _attempt(case):
     make_opt, extra, kw, exc, _ = CASES[case]
     kw = dict(kw)
@@ -137,14 +119,14 @@ def _attempt(case):
     return model, opt, before, lr_before, str(info.value)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=MESSAGE_MARKS.get(c, ())) for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_prepare_error_names_the_problem_and_the_fix(case):
     message = _attempt(case)[-1]
     for pattern in CASES[case][-1]:
         assert re.search(pattern, message), (pattern, message)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=CORRUPTS if c in CORRUPTING else ()) for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_prepare_error_leaves_model_and_optimizer_untouched(case):
     model, opt, before, lr_before, _ = _attempt(case)
     after = snapshot_model(model)
@@ -353,12 +335,6 @@ def test_sequential_model_steps_with_split_weights():
             assert not torch.equal(errors[name], record.error_term(p)), name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prepare.py _route_step_through_backend: every prepared optimizer of a class shares one Dynamo code "
-    "cache entry (guarded on `self`), so after torch._dynamo.config.recompile_limit (8) optimizers the step "
-    "silently runs eagerly without the passes: error terms are never updated",
-)
 def test_many_prepared_optimizers_all_update_their_error_terms():
     for i in range(torch._dynamo.config.recompile_limit + 1):
         model = nn.Module()
