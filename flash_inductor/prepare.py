@@ -286,8 +286,8 @@ def _route_step_through_backend(optimizer, compile_options):
     """Replace ``optimizer.step`` (a bound method, so LR schedulers can wrap it) by one that runs
     the original step through the ``flashoptim`` backend, or traces it inline when already
     compiling."""
-    from flash_inductor.backend import compile as compile_with_backend
     from flash_inductor import checks
+    from flash_inductor.backend import compile as compile_with_backend
 
     original = optimizer.step
     compiled = compile_with_backend(original, **compile_options)

@@ -13,8 +13,8 @@ import torch.nn as nn
 
 import flash_inductor
 from flash_inductor import passes
-from flash_inductor.pipeline import ATEN, TORCH, AtenPasses, GraphPass, PassContext, PassFailed
 from flash_inductor.options import Options
+from flash_inductor.pipeline import ATEN, TORCH, AtenPasses, GraphPass, PassContext, PassFailed
 
 
 def test_entry_point_is_registered():

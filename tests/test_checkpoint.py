@@ -18,17 +18,18 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
-from torch._dynamo.utils import counters
 
 import flash_inductor
 from flash_inductor import roles
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State
 from flash_inductor.optim import Lion
+from helpers import EAGER, Net
 
-pytestmark = pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
+pytestmark = [
+    pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
-EAGER = {"compiler": "eager"}
 GROUP = 32
 
 OPTIMIZERS = {
@@ -47,23 +48,8 @@ STATE_KEYS = {
 HAS_STEP = {"Adam": True, "AdamW": True, "SGD": False, "Lion": False}
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(128, 64)  # weight 8192 (8-bit states), bias 64 (fp32 states)
-        self.norm = nn.LayerNorm(64)  # stays fp32, no error term
-        self.fc2 = nn.Linear(64, 96, bias=False)  # 6144
-
-    def forward(self, x):
-        return self.fc2(self.norm(self.fc1(x)))
 
 
 def make(name, seed=0, **prepare_kw):

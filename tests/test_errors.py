@@ -15,36 +15,21 @@ import pytest
 import torch
 import torch.nn as nn
 from torch._dynamo.exc import BackendCompilerFailed
-from torch._dynamo.utils import counters
 
 import flash_inductor
 from flash_inductor import roles
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State
+from helpers import EAGER, Net
 
-pytestmark = pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
-
-EAGER = {"compiler": "eager"}
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = [
+    pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 
-class Net(nn.Module):
-    def __init__(self, extra=None):
-        super().__init__()
-        self.fc1 = nn.Linear(128, 64)
-        self.norm = nn.LayerNorm(64)
-        self.fc2 = nn.Linear(64, 96, bias=False)
-        if extra is not None:
-            self.extra = extra
 
-    def forward(self, x):
-        return self.fc2(self.norm(self.fc1(x)))
+
+
 
 
 def snapshot_model(model):

@@ -9,26 +9,22 @@ what ``flash_inductor`` returns. The stock-torch baseline is checked the same wa
 import pytest
 import torch
 import torch.nn as nn
-from torch._dynamo.utils import counters
 
 import flash_inductor
 from flash_inductor.formats.state_tensor import CompandedState, StateTensor
 from flash_inductor.optim import SGDW, Lion
+from helpers import EAGER
 
-pytestmark = pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
+pytestmark = [
+    pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
-EAGER = {"compiler": "eager"}
 MIN_Q = 4096
 GROUP = 32
 COMPONENTS = ("weights", "error_terms", "states", "state_scales", "grads")
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 class Big(nn.Module):

@@ -35,21 +35,16 @@ from flash_inductor import roles
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State
 from flash_inductor.optim import SGDW, Lion
 from flash_inductor.pipeline import PassFailed
+from helpers import EAGER
 
-EAGER = {"compiler": "eager"}
 # A pass that fails is skipped with a warning and the step silently runs without it: here, fail.
-pytestmark = pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
+pytestmark = [
+    pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 STEPS = 50
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Every test compiles its own optimizers: start from an empty Dynamo cache (the recompile
-    limit would otherwise make later optimizers of the same class fall back to uncompiled steps)."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 # ============================================================================ fp64 format references

@@ -1,0 +1,23 @@
+"""Small models and settings shared by the tests."""
+
+import torch.nn as nn
+
+# Run prepared optimizers' steps through the rewritten graph without Inductor: the same passes,
+# no 15-35 s kernel compile per test.
+EAGER = {"compiler": "eager"}
+
+
+class Net(nn.Module):
+    """fc1.weight 8192 elements (8-bit states), fc1.bias 64 (fp32 states), LayerNorm (stays fp32),
+    fc2.weight 6144 (8-bit states); ``extra`` adds one more parameter or module."""
+
+    def __init__(self, extra=None):
+        super().__init__()
+        self.fc1 = nn.Linear(128, 64)
+        self.norm = nn.LayerNorm(64)
+        self.fc2 = nn.Linear(64, 96, bias=False)
+        if extra is not None:
+            self.extra = extra
+
+    def forward(self, x):
+        return self.fc2(self.norm(self.fc1(x)))
