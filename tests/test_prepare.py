@@ -1,0 +1,63 @@
+"""prepare(): what it does to the model and the optimizer."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import flash_inductor
+from flash_inductor import roles
+from flash_inductor.formats import split_weights
+from helpers import EAGER, Net
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+def test_fp32_model_becomes_bf16_except_norms_and_kept_names():
+    torch.manual_seed(0)
+    model = Net()
+    original = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params_before = [id(p) for p in model.parameters()]
+    flash_inductor.prepare(model, opt, keep_fp32=["fc2"], compile_options=EAGER)
+    assert [id(p) for p in model.parameters()] == params_before  # same Parameter objects
+    assert model.fc1.weight.dtype == torch.bfloat16
+    assert model.norm.weight.dtype == torch.float32 and model.fc2.weight.dtype == torch.float32
+    record = roles.PREPARED[opt]
+    assert record.error_term(model.fc2.weight) is None and record.error_term(model.norm.weight) is None
+    # The fp32 value became the master: decoding gives it back to 24-bit precision.
+    master = split_weights.decode(model.fc1.weight, record.error_term(model.fc1.weight))
+    half_ulp = torch.exp2(split_weights.half_ulp_log2(model.fc1.weight).float())
+    assert ((master - original.fc1.weight).abs() <= half_ulp / 127 + 1e-12).all()
+    # bf16 input runs through fp32 norm and kept layers (inputs cast in, outputs cast back).
+    x = torch.randn(4, 128)
+    out = model(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), original(x), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_keep_their_dtype_and_gain_masters(dtype):
+    torch.manual_seed(0)
+    reference = nn.Linear(64, 64, bias=False)
+    model = copy.deepcopy(reference).to(dtype)
+    plain = copy.deepcopy(reference).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, eps=1e-4)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-4)  # 1e-8 underflows fp16
+    flash_inductor.prepare(model, opt, state_bits=None, compile_options=EAGER)
+    assert model.weight.dtype == dtype
+    assert roles.PREPARED[opt].error_term(model.weight).dtype == torch.int8
+    x = torch.randn(16, 64)
+    for _ in range(20):
+        F.mse_loss(model(x.to(dtype)).float(), x).backward()
+        reference.weight.grad = model.weight.grad.float()
+        plain.weight.grad = model.weight.grad.clone()
+        opt.step(), plain_opt.step(), ref_opt.step()
+        opt.zero_grad()
+    master = flash_inductor.master_state_dict(model, opt)["weight"]
+    master_error = (master - reference.weight).abs().max()
+    plain_error = (plain.weight.float() - reference.weight).abs().max()
+    assert master_error * 10 < plain_error, (master_error, plain_error)
