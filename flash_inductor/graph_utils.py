@@ -24,6 +24,23 @@ def output_node(graph: fx.Graph):
     return next(n for n in reversed(graph.nodes) if n.op == "output")
 
 
+def input_name(node: fx.Node):
+    """The dotted name (``blocks.0.fc1.weight``) of a parameter or buffer input, read off Dynamo's
+    source for it (``L['self']._modules['blocks']._modules['0']._parameters['weight']``); the
+    node's name when it has none."""
+    containers = ("_modules", "_parameters", "_buffers")
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    parts = []
+    while source is not None:
+        base = getattr(source, "base", None)
+        if hasattr(source, "index") and getattr(base, "member", None) in containers:
+            parts.append(str(source.index))  # module._modules['fc1'] and the like
+        elif getattr(source, "member", None) not in (None, *containers):
+            parts.append(str(source.member))  # plain attribute access: module.fc1
+        source = base
+    return ".".join(reversed(parts)) if parts else node.name
+
+
 def add_bound_placeholder(graph: fx.Graph, name, tensor):
     """Append a placeholder for ``tensor``, which the backend passes in at run time."""
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]

@@ -37,6 +37,7 @@ class GraphRecord:
     roles: dict
     stages: list = dataclasses.field(default_factory=list)
     kernels: dict = dataclasses.field(default_factory=dict)  # subgraph -> generated code
+    decisions: list = dataclasses.field(default_factory=list)  # (pass, subject, decision)
     subgraph: str = "dynamo"
     dump_dir: str | None = None
 
@@ -44,6 +45,10 @@ class GraphRecord:
         stage = Stage(level, self.subgraph, name, code, list(rewritten))
         self.stages.append(stage)
         self._dump(stage.filename, code)
+
+    def decision(self, pass_name, subject, decision):
+        """What a pass decided about one candidate, e.g. a linear layer kept in bf16 and why."""
+        self.decisions.append((pass_name, subject, decision))
 
     def add_kernel_code(self, code):
         self.kernels[self.subgraph] = self.kernels.get(self.subgraph, "") + code
@@ -90,6 +95,7 @@ class Report:
         lines.insert(1, "  ".join("-" * w for w in widths))
         for g in self.graphs:
             lines.append(f"{g.name}: kernels generated: {', '.join(g.kernel_backends) or 'none'}")
+            lines += [f"{g.name}: {p}: {subject}: {decision}" for p, subject, decision in g.decisions]
         for memory in self.memory:
             lines += ["", str(memory)]
         return "\n".join(lines)

@@ -14,12 +14,21 @@ class Options:
     dump: folder to write every graph before and after each pass to (also ``FLASHOPTIM_DUMP``).
     compiler: "inductor", or "eager" to run the rewritten graphs without Inductor (debugging:
         same rewrites, no kernels).
+    fp8: None, or "tensorwise" to run eligible linear layers as FP8 GEMMs with current scaling
+        (``passes/fp8_linear.py``; "delayed" scaling is not implemented yet).
+    fp8_min_weight_numel: smallest weight (elements) worth an FP8 GEMM.
+    fp8_exclude: fnmatch patterns of module names kept in bf16 (e.g. the first and last layers).
+    fp8_filter: callable(module name) -> bool; False keeps that linear in bf16.
     """
 
     disable: tuple[str, ...] = ()
     inductor: tuple[tuple[str, Any], ...] = ()
     dump: str | None = None
     compiler: str = "inductor"
+    fp8: str | None = None
+    fp8_min_weight_numel: int = 1 << 20
+    fp8_exclude: tuple[str, ...] = ()
+    fp8_filter: Any = None
 
     @classmethod
     def from_dict(cls, options):
@@ -41,7 +50,22 @@ class Options:
         compiler = options.get("compiler", "inductor")
         if compiler not in ("inductor", "eager"):
             raise ValueError(f"flashoptim: option 'compiler' must be 'inductor' or 'eager', got {compiler!r}")
-        return cls(disable=tuple(disable), inductor=tuple(inductor), dump=dump, compiler=compiler)
+        fp8 = options.get("fp8")
+        if fp8 == "delayed":
+            raise ValueError("flashoptim: fp8='delayed' (amax history) is not implemented yet; use fp8='tensorwise'")
+        if fp8 not in (None, "tensorwise"):
+            raise ValueError(f"flashoptim: option 'fp8' must be None or 'tensorwise', got {fp8!r}")
+        exclude = options.get("fp8_exclude", ())
+        if isinstance(exclude, str):
+            exclude = (exclude,)
+        fp8_filter = options.get("fp8_filter")
+        if fp8_filter is not None and not callable(fp8_filter):
+            raise ValueError("flashoptim: option 'fp8_filter' must be a callable taking a module name")
+        return cls(
+            disable=tuple(disable), inductor=tuple(inductor), dump=dump, compiler=compiler, fp8=fp8,
+            fp8_min_weight_numel=int(options.get("fp8_min_weight_numel", cls.fp8_min_weight_numel)),
+            fp8_exclude=tuple(exclude), fp8_filter=fp8_filter,
+        )
 
     def enabled(self, pass_name):
         return pass_name not in self.disable

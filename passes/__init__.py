@@ -7,6 +7,7 @@ change what stored tensors mean. Aten-level passes run inside Inductor on the po
 from flash_inductor.pipeline import ATEN, TORCH, GraphPass
 
 from .companded_states import companded_states_pass
+from .fp8_linear import fp8_linear_pass
 from .split_weights import split_weights_pass
 
 # companded_states runs first: it sets the layout of the update (see update_shape), which
@@ -14,6 +15,7 @@ from .split_weights import split_weights_pass
 TORCH_PASSES = (
     GraphPass("companded_states", TORCH, companded_states_pass),
     GraphPass("split_weights", TORCH, split_weights_pass),
+    GraphPass("fp8_linear", TORCH, fp8_linear_pass),
 )
 ATEN_PASSES = ()
 ALL_PASSES = TORCH_PASSES + ATEN_PASSES

@@ -1,0 +1,156 @@
+"""FP8 scaling numerics: the one place that defines amax, scales, casts and delayed scaling.
+
+DESIGN.md §2.4 (FP8 linear) and §2.5 (FP8 gradient collectives). Everything is fp32 torch ops
+without Python loops over elements or ``.item()``, so the same functions run eagerly and inside the
+graphs the FP8 passes rewrite (Inductor fuses them with the neighbouring kernels).
+
+Formats (``max_value``): ``E4M3 = float8_e4m3fn`` (3 mantissa bits, max 448, no inf; forward
+operands) and ``E5M2 = float8_e5m2`` (2 mantissa bits, max 57344, has inf; gradients).
+
+Per-tensor ("current") scaling, all in fp32:
+
+    amax  = max |x|                                                 (exact in any float dtype)
+    scale = fp8_max / max(amax, 1e-12)                              (one correctly rounded division)
+    x8    = fp8(clamp(x * scale, -fp8_max, fp8_max))                (round to nearest even)
+    x'    = float(x8) / scale
+
+The fp8 value holds ``x * scale``; ``torch._scaled_mm(a8, b8, scale_a, scale_b, out_dtype=bf16)`` wants
+the *dequantization* factors, i.e. ``scale.reciprocal()`` (fp32, one element), and ``b8`` column-major
+(quantize W as [N, K], pass ``w8.t()``). ``dequantize`` divides by the scale, ``_scaled_mm`` multiplies
+by the rounded reciprocal; the two agree exactly for power-of-two scales and within one fp32 rounding
+otherwise.
+
+Power-of-two scales (MS-AMP, ``power_of_two=True``): the fp32 scale is rounded *down* to
+``2 ** floor(log2(scale))`` by clearing its mantissa bits (exact; no float log2). Multiplying by such a
+scale is exact, so the cast rounds only once, and dequantization is exact. Rounding down keeps
+``amax * scale <= fp8_max`` except when the fp32 division itself rounded up onto a power of two (then the
+excess is below 2**-24 relative and the clamp absorbs it).
+
+Delayed scaling (Transformer Engine's recipe, window ``HISTORY_LENGTH = 16``): the scale used to cast
+step t's tensor comes from the amaxes of the previous steps, and step t's amax is recorded afterwards:
+
+    scale_t   = scale_from_history(history, dtype, scale_{t-1})     = scale of max(history)
+    x8_t      = cast_to_fp8(x_t, scale_t, dtype)                     (values above the window saturate)
+    history'  = update_amax_history(history, amax(x_t))             = [amax_t, history[:-1]]
+
+A fresh history is all zeros, so the first step keeps the initial scale (start from 1.0).
+
+FP8 collectives (§2.5): all ranks use the scale of the all-reduced MAX of their amaxes. Because fp32
+division and the power-of-two rounding are monotone, ``scale_from_amax(max_r amax_r)`` equals
+``min_r scale_from_amax(amax_r)`` exactly, so reducing either gives the same bits. ``overflow_fraction``
+measures how much of a tensor (e.g. the reduced sum) a scale would saturate, for the ``mu`` auto-scaling.
+
+Edge cases:
+- amax 0 (an all-zero tensor) or not finite (inf or nan anywhere in x): with ``previous_scale`` the
+  previous scale is kept (DESIGN §2.4). Without it the formula applies literally: amax 0 gives
+  ``fp8_max / 1e-12`` (harmless: the tensor is zero), inf gives scale 0 and nan gives scale nan, both
+  loud (the dequantized values are nan), never a silently wrong finite scale.
+- The 1e-12 floor bounds the scale by 57344e12 < fp32 max, so a finite amax never gives an infinite
+  scale; and ``fp8_max / fp32_max >= 448 / 3.41e38 > 2**-126``, so a finite positive amax never gives a
+  subnormal scale either. ``round_down_to_power_of_two`` is exact for subnormals anyway.
+- Saturation: the clamp before the cast is required, not cosmetic. ``float8_e5m2`` overflows to inf,
+  and ``float8_e4m3fn`` has no inf: the conversion of some torch versions and backends turns values
+  from 464 up into nan (torch 2.13's c10 conversion saturates, but a fused kernel need not use it).
+  With the clamp, finite values and +-inf beyond the range become +-fp8_max on every backend (the point
+  of delayed scaling is to tolerate a few such outliers); nan stays nan.
+- Values below the smallest fp8 normal (2**-6 for e4m3, 2**-14 for e5m2) round to fp8 subnormals and
+  to zero below half the smallest subnormal, like any cast.
+"""
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+AMAX_FLOOR = 1e-12
+HISTORY_LENGTH = 16
+_MAX = {E4M3: 448.0, E5M2: 57344.0}
+_SMALLEST_NORMAL = 2.0**-126
+_SUBNORMAL_LIFT = 64  # 2**64 * (smallest fp32 subnormal, 2**-149) is a normal number
+
+
+def max_value(dtype):
+    """The largest finite value of the fp8 ``dtype``: 448 (e4m3fn) or 57344 (e5m2)."""
+    if dtype not in _MAX:
+        raise ValueError(f"unsupported fp8 dtype {dtype!r}; expected {E4M3} or {E5M2}")
+    return _MAX[dtype]
+
+
+def amax(x):
+    """``max |x|`` as a 0-dim fp32 tensor (exact; nan if x holds a nan; 0 for an empty tensor)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.abs().amax().to(torch.float32)
+
+
+def round_down_to_power_of_two(scale):
+    """``2 ** floor(log2(scale))`` for positive fp32 ``scale``, exactly: the mantissa bits are cleared.
+
+    Subnormals are first lifted by 2**64 (exact), rounded, and scaled back (exact, the result is a
+    power of two >= 2**-149). 0, inf and nan are returned unchanged.
+    """
+    s = scale.to(torch.float32)
+    tiny = s.abs() < _SMALLEST_NORMAL
+    lifted = torch.where(tiny, s * 2.0**_SUBNORMAL_LIFT, s)
+    rounded = (lifted.view(torch.int32) & -(1 << 23)).view(torch.float32)  # keep sign and exponent
+    rounded = torch.where(tiny, rounded * 2.0**-_SUBNORMAL_LIFT, rounded)
+    return torch.where(torch.isnan(s), s, rounded)
+
+
+def scale_from_amax(amax, dtype, previous_scale=None, power_of_two=False):
+    """``fp8_max / max(amax, 1e-12)`` in fp32 (elementwise over ``amax``).
+
+    ``power_of_two``: round the scale down to a power of two. ``previous_scale``: returned instead
+    where ``amax`` is 0 or not finite (it is not rounded again).
+    """
+    a = amax.to(torch.float32)
+    # A tensor numerator: Python's ``float / tensor`` computes ``reciprocal(t) * float`` (two roundings).
+    scale = torch.full_like(a, max_value(dtype)) / a.clamp(min=AMAX_FLOOR)
+    if power_of_two:
+        scale = round_down_to_power_of_two(scale)
+    if previous_scale is not None:
+        valid = (a > 0) & torch.isfinite(a)
+        scale = torch.where(valid, scale, previous_scale)
+    return scale
+
+
+def cast_to_fp8(x, scale, dtype):
+    """``fp8(clamp(x * scale, -fp8_max, fp8_max))`` with the product in fp32 (saturating; nan stays nan)."""
+    m = max_value(dtype)
+    return (x.to(torch.float32) * scale).clamp(-m, m).to(dtype)
+
+
+def dequantize(x_fp8, scale):
+    """``float(x_fp8) / scale`` in fp32 (exact for power-of-two scales)."""
+    return x_fp8.to(torch.float32) / scale
+
+
+def new_amax_history(length=HISTORY_LENGTH, device=None):
+    """An all-zero amax history of ``length`` (fp32)."""
+    return torch.zeros(length, dtype=torch.float32, device=device)
+
+
+def update_amax_history(history, new_amax):
+    """A new history ``[new_amax, history[0], ..., history[L-2]]`` (newest first, shape [L])."""
+    return torch.cat([new_amax.reshape(1).to(history.dtype), history[:-1]])
+
+
+def scale_from_history(history, dtype, previous_scale, power_of_two=False):
+    """The delayed scale: ``scale_from_amax(max(history), ...)``.
+
+    A non-finite amax in the window makes the window max non-finite, so the previous scale is kept
+    until that entry leaves the window (L steps), as in Transformer Engine.
+    """
+    return scale_from_amax(history.amax(), dtype, previous_scale, power_of_two)
+
+
+def overflow_fraction(x, scale, dtype):
+    """The fraction of elements with ``|x * scale| > fp8_max`` (fp32 product; inf counts, nan does not)."""
+    over = (x.to(torch.float32) * scale).abs() > max_value(dtype)
+    return torch.count_nonzero(over).to(torch.float32) / x.numel()
+
+
+def sqnr_db(reference, approx):
+    """Signal-to-quantization-noise ratio ``20 log10(||ref|| / ||ref - approx||)`` in dB (fp32)."""
+    ref = reference.to(torch.float32)
+    noise = ref - approx.to(torch.float32)
+    return 20 * torch.log10(torch.linalg.vector_norm(ref) / torch.linalg.vector_norm(noise))

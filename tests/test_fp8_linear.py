@@ -1,0 +1,125 @@
+"""FP8 linear layers through the backend (option fp8="tensorwise"), on CPU (torch 2.13 runs
+``_scaled_mm`` with float8 operands on the CPU)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import flash_inductor
+from flash_inductor.demo import TinyGPT
+from flash_inductor.formats import fp8
+from helpers import EAGER
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(64, 64)
+        self.body = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+        self.odd = nn.Linear(64, 20)  # 20 is not a multiple of 16
+        self.proj = nn.Parameter(torch.randn(32, 64) * 0.1)
+
+    def forward(self, x):
+        h = self.body(self.first(x))
+        return self.odd(h), h @ self.proj.T
+
+
+def test_eligible_linears_are_rewritten_and_every_decision_is_reported():
+    model = Mixed()
+    options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0, fp8_exclude=["first"],
+                   fp8_filter=lambda name: name != "body.2")
+    report = flash_inductor.inspect(flash_inductor.compile(model, **options), torch.randn(4, 64))
+    graph = report.graph("model")
+    decisions = {subject: decision for _, subject, decision in graph.decisions}
+    assert decisions == {
+        "first.weight": "bf16: excluded by fp8_exclude ['first']",
+        "body.0.weight": "fp8 e4m3/e5m2",
+        "body.2.weight": "bf16: rejected by fp8_filter",
+        "odd.weight": "bf16: weight 20x64: FP8 GEMMs need both dims to be multiples of 16",
+        "proj": "fp8 e4m3/e5m2",
+    }
+    code = next(s.code for s in graph.stages if s.name == "fp8_linear")
+    assert code.count("flash_inductor_fp8_linear_fp8_linear(") == 2
+    assert code.count("torch._C._nn.linear(") == 3
+    summary = report.summary()
+    assert "fp8_linear: odd.weight: bf16: weight 20x64" in summary
+
+
+def test_size_threshold_keeps_small_layers_in_bf16():
+    model = nn.Linear(64, 64)
+    report = flash_inductor.inspect(flash_inductor.compile(model, **EAGER, fp8="tensorwise"), torch.randn(4, 64))
+    ((_, subject, decision),) = report.graph("model").decisions
+    assert decision == f"bf16: weight 64x64 is under fp8_min_weight_numel={1 << 20}"
+
+
+def _sqnr(reference, approx):
+    return fp8.sqnr_db(reference.float(), approx.float())
+
+
+def test_fp8_layer_output_and_gradients_against_bf16():
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 128).bfloat16()
+    reference = copy.deepcopy(layer)
+    compiled = flash_inductor.compile(layer, fp8="tensorwise", fp8_min_weight_numel=0)
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    grad_out = torch.randn(64, 128, dtype=torch.bfloat16)
+    out = compiled(x)
+    out.backward(grad_out)
+    out_ref = reference(x_ref)
+    out_ref.backward(grad_out)
+    assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    assert _sqnr(out_ref, out) >= 25
+    assert _sqnr(x_ref.grad, x.grad) >= 20
+    assert _sqnr(reference.weight.grad, layer.weight.grad) >= 20
+    torch.testing.assert_close(layer.bias.grad, reference.bias.grad, rtol=1e-2, atol=1e-2)
+
+
+def test_autocast_output_dtype_and_accuracy():
+    torch.manual_seed(0)
+    layer = nn.Linear(128, 64)
+    x = torch.randn(32, 128)
+    compiled = flash_inductor.compile(layer, **EAGER, fp8="tensorwise", fp8_min_weight_numel=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)
+        out_ref = layer(x)
+    assert out.dtype == out_ref.dtype == torch.bfloat16
+    assert _sqnr(out_ref, out) >= 25
+
+
+def _train(fp8_option, steps):
+    torch.manual_seed(0)
+    model = TinyGPT(dim=128, layers=2, seq=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    options = {"fp8": fp8_option, "fp8_min_weight_numel": 0, "fp8_exclude": ["head"]} if fp8_option else {}
+
+    @flash_inductor.train_step(model=model, optimizer=opt, **options)
+    def step(x, y):
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    text = torch.tensor(list(b"the quick brown fox jumps over the lazy dog; " * 40))
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        starts = torch.randint(0, text.numel() - 33, (16,), generator=gen)
+        idx = starts[:, None] + torch.arange(32)
+        losses.append(step(text[idx], text[idx + 1]).item())
+    return losses
+
+
+def test_small_transformer_trains_with_fp8_and_the_optimizer_rewrite():
+    """200 steps, FP8 linears + split weights + 8-bit states vs the same without FP8."""
+    fp8_losses = _train("tensorwise", 200)
+    bf16_losses = _train(None, 200)
+    final_fp8, final_bf16 = sum(fp8_losses[-10:]) / 10, sum(bf16_losses[-10:]) / 10
+    assert final_bf16 < 0.5 * bf16_losses[0]  # it learned
+    assert abs(final_fp8 - final_bf16) <= 0.02 * final_bf16, (final_fp8, final_bf16)
