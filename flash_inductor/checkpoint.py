@@ -162,7 +162,8 @@ def _restore_state(saved, param, record, kind):
                 f"{list(param.shape)} ({groups * companded.GROUP_SIZE} codes, {groups} scales)"
             )
         state = CompandedState(
-            codes.to(param.device, companded.CODE_DTYPES[kind]).clone(), scales.to(param.device, torch.float16).clone(),
+            codes.to(param.device, companded.CODE_DTYPES[kind]).reshape(groups, companded.GROUP_SIZE).clone(),
+            scales.to(param.device, torch.float16).clone(),
             kind, shape=param.shape, dtype=param.dtype,
         )
         if isinstance(new_state(record, param, kind), CompandedState):

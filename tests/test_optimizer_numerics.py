@@ -460,7 +460,7 @@ def test_one_step_matches_fp64_reference_within_one_code_step(name):
                 if not isinstance(s, CompandedState):
                     continue
                 codes_ref, scales_ref = ref_state_encode(new_states[key], s.kind)
-                dq = (s.codes.long() - codes_ref).abs()
+                dq = (s.codes.long().flatten() - codes_ref).abs()
                 assert dq.max() <= 1, f"step {i} {key}: codes {dq.max().item()} steps off"
                 codes_off += (dq == 1).sum().item()
                 n_codes += dq.numel()

@@ -80,7 +80,13 @@ class StateTensor(torch.Tensor):
 
 
 class CompandedState(StateTensor):
-    """Companded 8-bit codes with one fp16 scale per group of 32 (``formats.companded``)."""
+    """Companded 8-bit codes with one fp16 scale per group of 32 (``formats.companded``).
+
+    ``codes`` is stored as ``(groups, 32)``, the layout the compiled step updates in: Inductor
+    builds the copy into the stored codes with the destination's shape, and a flat destination
+    gives the encode a 1-D loop that cannot fuse with the per-group absmax (its reads of the
+    absmax and the reduction's writes do not line up), so every input would be read twice.
+    """
 
     _inner = ("codes", "scales")
 
@@ -96,13 +102,13 @@ class CompandedState(StateTensor):
     def encode(cls, x, kind, dtype=None):
         """A new state holding ``x``; it presents as ``dtype`` (default: x's)."""
         codes, scales = companded.encode(x, kind)
-        return cls(codes, scales, kind, shape=x.shape, dtype=dtype or x.dtype)
+        return cls(codes.view(-1, companded.GROUP_SIZE), scales, kind, shape=x.shape, dtype=dtype or x.dtype)
 
     @classmethod
     def zeros(cls, like, kind):
         """The all-zero state for parameter ``like``, allocated directly as codes and scales."""
         groups = companded.num_groups(like.numel())
-        codes = torch.zeros(groups * companded.GROUP_SIZE, dtype=companded.CODE_DTYPES[kind], device=like.device)
+        codes = torch.zeros(groups, companded.GROUP_SIZE, dtype=companded.CODE_DTYPES[kind], device=like.device)
         scales = torch.full((groups,), companded.SCALE_FLOOR, dtype=torch.float16, device=like.device)
         return cls(codes, scales, kind, shape=like.shape, dtype=like.dtype)
 
@@ -115,7 +121,7 @@ class CompandedState(StateTensor):
         """Encode ``value`` (any shape with the state's elements, in order) into this state's
         storage: one rounding."""
         codes, scales = companded.encode(value, self.kind)
-        self.codes.copy_(codes)
+        self.codes.copy_(codes.view(self.codes.shape))
         self.scales.copy_(scales)
 
     def __repr__(self):
