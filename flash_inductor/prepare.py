@@ -146,6 +146,11 @@ def prepare(
         compressed_state_dict, check_numerics,
     )
     for group in optimizer.param_groups:
+        if group.get("foreach", False) is None:
+            # torch would pick foreach on CUDA; its horizontal kernels cannot fuse with the
+            # per-group absmax of the 8-bit states (docs/notes_optimizer_fusion.md). An explicit
+            # foreach=True is kept.
+            group["foreach"] = False
         _make_lr_tensor(group)
         for p in group["params"]:
             record.param_names[p] = names[p]
