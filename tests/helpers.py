@@ -21,3 +21,23 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.norm(self.fc1(x)))
+
+
+def stored_bits(model, opt):
+    """Every stored tensor of the training state, by name: parameters, error terms, and each
+    optimizer state in its stored form (codes and scales, fp32 values, step counters)."""
+    from flash_inductor import roles
+
+    record = roles.PREPARED.get(opt)
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = p.detach().clone()
+        if record is not None and record.error_term(p) is not None:
+            out[name + ".error"] = record.error_term(p).clone()
+        for key, value in opt.state.get(p, {}).items():
+            if hasattr(value, "__tensor_flatten__"):
+                for inner in value.__tensor_flatten__()[0]:
+                    out[f"{name}.{key}.{inner}"] = getattr(value, inner).clone()
+            else:
+                out[f"{name}.{key}"] = value.clone()
+    return out

@@ -23,7 +23,7 @@ import flash_inductor
 from flash_inductor import roles
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State
 from flash_inductor.optim import Lion
-from helpers import EAGER, Net
+from helpers import EAGER, Net, stored_bits
 
 pytestmark = [
     pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed"),
@@ -140,25 +140,6 @@ def assert_close_fp32(actual, expected64):
     assert ((actual.double() - expected64).abs() <= 2 * ulp).all()
 
 
-def stored(model, opt):
-    """Every stored bit of the training state: params, error terms, states, step counters."""
-    record = roles.PREPARED[opt]
-    out = {}
-    for name, p in model.named_parameters():
-        out[name] = p.detach().clone()
-        if record.error_term(p) is not None:
-            out[name + ".error"] = record.error_term(p).clone()
-        for key, value in opt.state[p].items():
-            if isinstance(value, CompandedState):
-                out[f"{name}.{key}.codes"] = value.codes.clone()
-                out[f"{name}.{key}.scales"] = value.scales.clone()
-            elif isinstance(value, Fp32State):
-                out[f"{name}.{key}"] = value.values.clone()
-            else:
-                out[f"{name}.{key}"] = value.clone()
-    return out
-
-
 def assert_same_bits(a, b):
     assert a.keys() == b.keys()
     bad = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
@@ -248,7 +229,7 @@ def test_default_state_dict_is_a_stock_torch_state_dict(name):
 def test_default_state_dict_round_trips_into_a_fresh_optimizer(name):
     model, opt = make(name)
     run(model, opt, grad_list(model, 3))
-    want = stored(model, opt)
+    want = stored_bits(model, opt)
     decoded = decoded_states(model, opt, name)
     sd = roundtrip(opt.state_dict())
     model_sd = roundtrip(model.state_dict())
@@ -264,7 +245,7 @@ def test_default_state_dict_round_trips_into_a_fresh_optimizer(name):
         if p.dtype == torch.bfloat16:
             assert torch.equal(record2.error_term(p), sd["state"][index]["error_term"])
     # Re-encoding decoded codes reproduces them: the stored bits are those of the saved optimizer.
-    assert_same_bits(stored(model2, opt2), want)
+    assert_same_bits(stored_bits(model2, opt2), want)
     assert isinstance(opt2.param_groups[0]["lr"], torch.Tensor)
 
 
@@ -278,7 +259,7 @@ def test_compressed_state_dict(name):
     grads = grad_list(model, 3)
     run(model, opt, grads)
     run(model_d, opt_d, grads)
-    want = stored(model, opt)
+    want = stored_bits(model, opt)
     sd = opt.state_dict()
     for index, p in enumerate(model.parameters()):
         for key, kind in STATE_KEYS[name].items():
@@ -299,12 +280,12 @@ def test_compressed_state_dict(name):
     model2, opt2 = make(name, seed=1, compressed_state_dict=True)
     model2.load_state_dict(roundtrip(model.state_dict()))
     opt2.load_state_dict(roundtrip(sd))
-    assert_same_bits(stored(model2, opt2), want)
+    assert_same_bits(stored_bits(model2, opt2), want)
     # and it loads into an optimizer prepared with the default form too (decoded there)
     model3, opt3 = make(name, seed=2)
     model3.load_state_dict(roundtrip(model.state_dict()))
     opt3.load_state_dict(roundtrip(sd))
-    assert_same_bits(stored(model3, opt3), want)
+    assert_same_bits(stored_bits(model3, opt3), want)
 
 
 # ------------------------------------------------------------------------- (d) master weights
@@ -366,14 +347,14 @@ def test_load_master_state_dict_recomputes_bf16_and_error_terms():
 
 def test_load_master_state_dict_rejects_bad_input_without_writing():
     model, opt = make("AdamW")
-    before = stored(model, opt)
+    before = stored_bits(model, opt)
     good = flash_inductor.master_state_dict(model, opt)
     with pytest.raises(KeyError, match="nope"):
         flash_inductor.load_master_state_dict(model, opt, {"fc1.weight": good["fc1.weight"] + 1, "nope": torch.zeros(3)})
     bad_shape = {"fc1.weight": good["fc1.weight"] + 1, "fc2.weight": torch.zeros(96)}
     with pytest.raises(ValueError, match="fc2.weight"):
         flash_inductor.load_master_state_dict(model, opt, bad_shape)
-    assert_same_bits(stored(model, opt), before)
+    assert_same_bits(stored_bits(model, opt), before)
 
 
 def test_state_dict_from_32_bit_masters_loads_into_24_bit():
@@ -456,10 +437,10 @@ def test_resume_is_bit_exact(name, compressed):
     run(model, opt, grads[:3])
     checkpoint = roundtrip({"model": model.state_dict(), "optimizer": opt.state_dict()})
     run(model, opt, grads[3:])
-    straight = stored(model, opt)
+    straight = stored_bits(model, opt)
 
     model2, opt2 = make(name, seed=1, compressed_state_dict=compressed)
     model2.load_state_dict(checkpoint["model"])
     opt2.load_state_dict(checkpoint["optimizer"])
     run(model2, opt2, grads[3:])
-    assert_same_bits(stored(model2, opt2), straight)
+    assert_same_bits(stored_bits(model2, opt2), straight)

@@ -18,8 +18,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 import flash_inductor
 from flash_inductor import roles
-from flash_inductor.formats.state_tensor import CompandedState, Fp32State
-from helpers import EAGER, Net
+from helpers import EAGER, Net, stored_bits
 
 pytestmark = [
     pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed"),
@@ -38,20 +37,7 @@ def snapshot_model(model):
 
 def snapshot(model, opt):
     """Every stored bit: parameters, error terms, states (their stored form), lr."""
-    record = roles.PREPARED.get(opt)
-    out = {}
-    for name, p in model.named_parameters():
-        out[name] = p.detach().clone()
-        if record is not None and record.error_term(p) is not None:
-            out[name + ".error"] = record.error_term(p).clone()
-        for key, value in opt.state.get(p, {}).items():
-            if isinstance(value, CompandedState):
-                out[f"{name}.{key}.codes"] = value.codes.clone()
-                out[f"{name}.{key}.scales"] = value.scales.clone()
-            elif isinstance(value, Fp32State):
-                out[f"{name}.{key}"] = value.values.clone()
-            else:
-                out[f"{name}.{key}"] = value.clone()
+    out = stored_bits(model, opt)
     for i, group in enumerate(opt.param_groups):
         out[f"lr{i}"] = torch.as_tensor(group["lr"]).clone()
     return out

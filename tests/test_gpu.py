@@ -6,6 +6,7 @@ import torch.nn as nn
 
 import flash_inductor
 from flash_inductor import roles
+from helpers import stored_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -16,18 +17,6 @@ def _prepared(compiler, foreach=False):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=foreach)
     flash_inductor.prepare(model, opt, compile_options={"compiler": compiler})
     return model, opt
-
-
-def _stored(model, opt):
-    """Every tensor that holds the optimizer's result: params, error terms, states' storage."""
-    record = roles.PREPARED[opt]
-    out = []
-    for p in model.parameters():
-        out += [p.detach(), record.error_term(p)]
-        for value in opt.state[p].values():
-            inner = value.__tensor_flatten__()[0] if hasattr(value, "__tensor_flatten__") else None
-            out += [getattr(value, k) for k in inner] if inner else [value]
-    return out
 
 
 @pytest.mark.xfail(
@@ -47,7 +36,7 @@ def test_triton_step_matches_eager_rewrite_and_keeps_error_terms(foreach):
         for p, g in zip(model.parameters(), grads):
             p.grad = g.clone()
         opt.step()
-    for a, b in zip(_stored(triton_model, triton_opt), _stored(eager_model, eager_opt)):
+    for a, b in zip(stored_bits(triton_model, triton_opt).values(), stored_bits(eager_model, eager_opt).values()):
         if a.is_floating_point():  # bf16 params, fp16 scales: at most one ulp apart
             ulp = torch.finfo(a.dtype).eps * b.float().abs().clamp(min=torch.finfo(a.dtype).tiny)
             assert ((a.float() - b.float()).abs() <= ulp).all(), (a.float() - b.float()).abs().max()
