@@ -9,6 +9,7 @@ Found by name through the ``torch_dynamo_backends`` entry point, so
 import dataclasses
 import functools
 import itertools
+import warnings
 
 import torch
 from torch._guards import detect_fake_mode
@@ -110,9 +111,12 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
         with inspection.compiling_subgraph(record, subgraph):
             return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
 
-    return compile_fx(
-        result.graph_module,
-        example_inputs,
-        inner_compile=inner_compile if record is not None else compile_fx_inner,
-        config_patches=patches or None,
-    )
+    with warnings.catch_warnings():
+        # Inductor's C++ backend notes every kernel that mixes bf16 weights with fp16 scales.
+        warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
+        return compile_fx(
+            result.graph_module,
+            example_inputs,
+            inner_compile=inner_compile if record is not None else compile_fx_inner,
+            config_patches=patches or None,
+        )
