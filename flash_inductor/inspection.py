@@ -112,7 +112,10 @@ class Report:
 
     def graph(self, kind):
         """The first graph of ``kind`` ("optimizer step" or "model")."""
-        return next(g for g in self.graphs if g.kind == kind)
+        for g in self.graphs:
+            if g.kind == kind:
+                return g
+        raise KeyError(f"no {kind!r} graph was captured; kinds: {sorted({g.kind for g in self.graphs})}")
 
     def save(self, folder):
         """Write one file per graph and stage, the generated code, and ``summary.txt``."""
