@@ -16,14 +16,6 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph, gm.__class__.__name__)
 
 
-def input_nodes(graph: fx.Graph):
-    return [n for n in graph.nodes if n.op in ("placeholder", "get_attr")]
-
-
-def output_node(graph: fx.Graph):
-    return next(n for n in reversed(graph.nodes) if n.op == "output")
-
-
 def input_name(node: fx.Node):
     """The dotted name (``blocks.0.fc1.weight``) of a parameter or buffer input, read off Dynamo's
     source for it (``L['self']._modules['blocks']._modules['0']._parameters['weight']``); the
