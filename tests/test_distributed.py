@@ -1,5 +1,6 @@
 """Data parallel training with prepared optimizers: 2 processes on the CPU (gloo), started here."""
 
+import contextlib
 import tempfile
 
 import pytest
@@ -31,24 +32,38 @@ def _prepared():
     return model, opt
 
 
-def _train(model, forward, opt, batches, shard):
-    """Steps on ``shard(batch)``; returns the gradients each step used (what DDP averaged)."""
+def _train(model, forward, opt, batches, shard, micro_batches=1, no_sync=None, max_norm=None):
+    """Steps on ``shard(batch)``, accumulating gradients over ``micro_batches`` pieces of it (all
+    but the last under ``no_sync``) and clipping them to ``max_norm``; returns the gradients each
+    step used (for DDP: what it averaged)."""
     grads = []
     for x, y in batches:
-        xs, ys = shard(x), shard(y)
-        F.mse_loss(forward(xs.bfloat16()).float(), ys).backward()
+        pieces = list(zip(shard(x).chunk(micro_batches), shard(y).chunk(micro_batches)))
+        for i, (xs, ys) in enumerate(pieces):
+            last = i == len(pieces) - 1
+            with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
+                (F.mse_loss(forward(xs.bfloat16()).float(), ys) / micro_batches).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         grads.append({n: p.grad.float().clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
     return grads
 
 
+# Plain steps, and steps with 2 accumulated micro-batches and gradient clipping.
+VARIANTS = {"plain": {}, "accumulate_and_clip": {"micro_batches": 2, "max_norm": 0.5}}
+
+
 def _ddp_worker(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    model, opt = _prepared()
-    ddp = nn.parallel.DistributedDataParallel(model)
-    grads = _train(model, ddp, opt, _batches(), lambda t: t.chunk(WORLD)[rank])
-    torch.save({"state": stored_bits(model, opt), "grads": grads}, f"{out_dir}/rank{rank}.pt")
+    results = {}
+    for name, variant in VARIANTS.items():
+        model, opt = _prepared()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        grads = _train(model, ddp, opt, _batches(), lambda t: t.chunk(WORLD)[rank], no_sync=ddp.no_sync, **variant)
+        results[name] = {"state": stored_bits(model, opt), "grads": grads}
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -59,19 +74,21 @@ def ddp_results():
         return [torch.load(f"{tmp}/rank{r}.pt") for r in range(WORLD)]
 
 
-def test_ranks_stay_in_sync_bit_for_bit(ddp_results):
-    first, second = (r["state"] for r in ddp_results)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_ranks_stay_in_sync_bit_for_bit(ddp_results, variant):
+    first, second = (r[variant]["state"] for r in ddp_results)
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-def test_ddp_matches_a_single_process_on_the_global_batch(ddp_results):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_ddp_matches_a_single_process_on_the_global_batch(ddp_results, variant):
     """Same masters up to what the gradients' rounding explains: DDP averages bf16 gradients of
     half batches, the single process computes the bf16 gradient of the whole batch."""
     model, opt = _prepared()
-    single_grads = _train(model, model, opt, _batches(), lambda t: t)
+    single_grads = _train(model, model, opt, _batches(), lambda t: t, **VARIANTS[variant])
     single = stored_bits(model, opt)
-    ddp = ddp_results[0]
+    ddp = ddp_results[0][variant]
     for name, p in model.named_parameters():
         if name + ".error" not in single:
             continue
