@@ -59,7 +59,9 @@ def graph_input_tensors(gm, example_inputs):
 
 def _tensor_index():
     index = {}
-    for prepared in list(PREPARED.values()):
+    # The list holds each optimizer strongly while we read it: a cyclic garbage collection in the
+    # middle of the loop could otherwise free one whose record we are reading.
+    for optimizer, prepared in list(PREPARED.items()):
         for param in prepared.params():
             index[id(param)] = Role(PARAM, param, prepared)
             if param.grad is not None:

@@ -74,3 +74,4 @@ def test_unprepared_optimizers_have_no_roles():
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     assert _capture_roles(opt.step) == [[]]
+
