@@ -1,5 +1,7 @@
 """Small models and settings shared by the tests."""
 
+import math
+
 import torch.nn as nn
 
 # Run prepared optimizers' steps through the rewritten graph without Inductor: the same passes,
@@ -41,3 +43,15 @@ def stored_bits(model, opt):
             else:
                 out[f"{name}.{key}"] = value.clone()
     return out
+
+
+def ref_decode_state(codes, scales, shape, kind):
+    """DESIGN §2.2 decode of companded codes, in float64 (written from the spec, not the package)."""
+    q = codes.double().reshape(-1, 32)
+    s = scales.double().reshape(-1, 1)
+    if kind == "signed":
+        y = q / 127
+        x = y / (2 - y.abs()) * s
+    else:
+        x = (q / 255 * s) ** 2
+    return x.reshape(-1)[: math.prod(shape)].reshape(shape)

@@ -23,7 +23,7 @@ import flash_inductor
 from flash_inductor import roles
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State
 from flash_inductor.optim import Lion
-from helpers import EAGER, Net, stored_bits
+from helpers import EAGER, Net, ref_decode_state, stored_bits
 
 pytestmark = [
     pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed"),
@@ -90,16 +90,6 @@ def serialized_size(obj):
 # ----------------------------------------------------------------------- references (DESIGN.md)
 
 
-def ref_decode_state(codes, scales, shape, kind):
-    """DESIGN §2.2 decode, in float64."""
-    q = codes.reshape(-1, GROUP).double()
-    s = scales.double().reshape(-1, 1)
-    if kind == "signed":
-        y = q / 127
-        x = y / (2 - y.abs()) * s
-    else:
-        x = (q / 255 * s) ** 2
-    return x.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
 def assert_decodes_to(actual, codes, scales, shape, kind):

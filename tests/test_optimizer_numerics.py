@@ -21,7 +21,6 @@ the two Inductor tests share one compiled optimizer (module-scoped fixture).
 """
 
 import copy
-import math
 import warnings
 
 import pytest
@@ -35,7 +34,7 @@ from flash_inductor import roles
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State
 from flash_inductor.optim import SGDW, Lion
 from flash_inductor.pipeline import PassFailed
-from helpers import EAGER
+from helpers import EAGER, ref_decode_state
 
 # A pass that fails is skipped with a warning and the step silently runs without it: here, fail.
 pytestmark = [
@@ -94,16 +93,6 @@ def ref_split_encode(x64, n):
     return hi, lo.long(), k
 
 
-def ref_state_decode(codes, scales, shape, kind):
-    """DESIGN §2.2 decode in float64."""
-    q = codes.double().view(-1, GROUP)
-    s = scales.double().view(-1, 1)
-    if kind == "signed":
-        y = q / 127
-        x = y / (2 - y.abs()) * s
-    else:
-        x = (q / 255 * s) ** 2
-    return x.reshape(-1)[: math.prod(shape)].view(shape)
 
 
 def ref_state_encode(x64, kind):
@@ -135,7 +124,7 @@ def test_reference_formats_round_trip():
     assert scales.tolist() == [1.0, 1229 / 4096]  # partial second group: absmax 0.3 rounded to fp16
     # -0.1: u = -0.33328, y = 2u / (1 + |u|) = -0.49994, floor(127 y + 0.5) = floor(-62.99) = -63
     assert codes[32:].tolist() == [127, -63] + [0] * 30
-    back = ref_state_decode(codes, scales, v.shape, "signed")
+    back = ref_decode_state(codes, scales, v.shape, "signed")
     assert (back - v).abs().max() < 0.02
     assert codes[0].item() == -127 and codes[31].item() > 0
     sq_codes, sq_scales = ref_state_encode(torch.tensor([4.0, 1.0, 0.0]), "sqrt")
@@ -432,7 +421,7 @@ def test_one_step_matches_fp64_reference_within_one_code_step(name):
             state = opt.state[p]
             master = ref_split_decode(p.detach(), record.error_term(p), 127)
             states = {
-                k: ref_state_decode(s.codes, s.scales, p.shape, s.kind)
+                k: ref_decode_state(s.codes, s.scales, p.shape, s.kind)
                 for k, s in state.items() if isinstance(s, CompandedState)
             }
             step = float(state["step"]) + 1 if "step" in state else None
