@@ -154,7 +154,7 @@ def prepare(
         _make_lr_tensor(group)
         for p in group["params"]:
             record.param_names[p] = names[p]
-            master = masters.get(p, p.detach())
+            master = masters.pop(p, p.detach())  # dropped once encoded: peak memory stays low
             if lo_dtype is not None and p.dtype in (torch.bfloat16, torch.float16):
                 hi, lo = split_weights.encode(master.float(), p.dtype, lo_dtype)
                 p.data.copy_(hi)
@@ -223,7 +223,7 @@ def _convert_model(model, keep_fp32):
             continue
         for p in module.parameters(recurse=False):
             if p.dtype == torch.float32:
-                masters[p] = p.detach().clone()
+                masters[p] = p.data  # the fp32 storage itself: p.data is replaced, not written
                 p.data = p.data.to(torch.bfloat16)
         for bname, b in module.named_buffers(recurse=False):
             if b.dtype == torch.float32:
