@@ -20,7 +20,7 @@ import torch
 from flash_inductor import roles
 from flash_inductor.formats import companded, split_weights
 from flash_inductor.formats.state_tensor import CompandedState, StateTensor
-from flash_inductor.prepare import new_state
+from flash_inductor.prepare import init_state, make_lr_tensor, new_state
 
 ERROR_TERM_KEY = "error_term"
 
@@ -108,10 +108,7 @@ def _load_post_hook(optimizer):
     record = roles.PREPARED[optimizer]
     held = _pending.pop(optimizer, {})
     for group in optimizer.param_groups:
-        if not isinstance(group["lr"], torch.Tensor):
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
-        if "capturable" in group and group.get("foreach"):
-            group["capturable"] = True
+        make_lr_tensor(group)
     for index, (param, group) in enumerate(zip(_params_by_index(optimizer), _groups_by_index(optimizer))):
         entries = dict(held.get(index, {}))
         state = optimizer.state[param]
@@ -120,15 +117,7 @@ def _load_post_hook(optimizer):
             _restore_error_term(record, param, error)
         for key, (saved, kind) in entries.items():
             state[key] = _restore_state(saved, param, record, kind)
-        # Whatever the dict lacked starts as prepare allocates it.
-        layout = record.layout(group)
-        for key, kind in layout.quantized.items():
-            value = state.get(key)
-            if not isinstance(value, StateTensor):
-                state[key] = new_state(record, param, kind, None if value is None else value.float())
-        if layout.step and "step" not in state:
-            on_device = group.get("capturable") or group.get("fused")
-            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=param.device if on_device else "cpu")
+        init_state(optimizer, record, group, param)  # whatever the dict lacked starts as after prepare
 
 
 def _restore_error_term(record, param, saved):

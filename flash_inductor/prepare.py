@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from flash_inductor import roles
 from flash_inductor.formats import companded, split_weights
-from flash_inductor.formats.state_tensor import CompandedState, Fp32State
+from flash_inductor.formats.state_tensor import CompandedState, Fp32State, StateTensor
 
 NORM_LAYERS = (
     nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm,
@@ -151,7 +151,7 @@ def prepare(
             # per-group absmax of the 8-bit states (docs/notes_optimizer_fusion.md). An explicit
             # foreach=True is kept.
             group["foreach"] = False
-        _make_lr_tensor(group)
+        make_lr_tensor(group)
         for p in group["params"]:
             record.param_names[p] = names[p]
             master = masters.pop(p, p.detach())  # dropped once encoded: peak memory stays low
@@ -159,7 +159,7 @@ def prepare(
                 hi, lo = split_weights.encode(master.float(), p.dtype, lo_dtype)
                 p.data.copy_(hi)
                 record.error_terms[p] = lo
-            _init_state(optimizer, record, group, p)
+            init_state(optimizer, record, group, p)
     roles.PREPARED[optimizer] = record
     _route_step_through_backend(optimizer, compile_options or {})
     from flash_inductor import checkpoint
@@ -253,7 +253,7 @@ def _cast_io_to_fp32(module):
     module.register_forward_hook(cast_output, with_kwargs=True)
 
 
-def _make_lr_tensor(group):
+def make_lr_tensor(group):
     """A tensor ``lr`` lets schedulers change it without recompiling the step (they ``fill_`` it).
 
     torch's Adam refuses a tensor lr with foreach unless ``capturable``; under compile the step is
@@ -265,7 +265,8 @@ def _make_lr_tensor(group):
         group["capturable"] = True
 
 
-def _init_state(optimizer, record, group, p):
+def init_state(optimizer, record, group, p):
+    """Give ``p`` every state ``prepare`` allocates, in stored form; states already stored are kept."""
     layout = record.layout(group)
     state = optimizer.state[p]
     if layout.step and "step" not in state:
@@ -273,7 +274,8 @@ def _init_state(optimizer, record, group, p):
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if on_device else "cpu")
     for key, kind in layout.quantized.items():
         existing = state.get(key)
-        state[key] = new_state(record, p, kind, None if existing is None else existing.float())
+        if not isinstance(existing, StateTensor):
+            state[key] = new_state(record, p, kind, None if existing is None else existing.float())
 
 
 def new_state(record, param, kind, value=None):
