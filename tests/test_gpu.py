@@ -20,15 +20,19 @@ def _prepared(compiler, foreach=False):
     return model, opt
 
 
-def _stock_adamw_step(masters, grads):
+def _stock_adamw_step(masters, grads, backend):
     """One step of stock fp32 ``torch.optim.AdamW`` (same hyperparameters) from the decoded masters,
-    traced by Dynamo as the flashoptim step is (run without Inductor): traced, torch computes the bias
-    corrections from the step tensor in fp32 rather than in Python floats, and so does our step."""
+    compiled as the flashoptim step is: traced by Dynamo, torch computes the bias corrections from
+    the step tensor in fp32 (not in Python floats). On the H200 (2026-12-01) the Triton step was
+    3e-5 (relative to the update) off stock AdamW traced and run eagerly: the size of one fp32 ulp
+    in ``beta2 ** step`` (Inductor's Triton ``pow`` is libdevice's, within 2 ulp) after the
+    cancellation in ``1 - beta2 ** step``. So the Triton step is compared with stock AdamW compiled
+    by Inductor, which computes the bias corrections with the same ``pow``."""
     params = {name: nn.Parameter(value.clone()) for name, value in masters.items()}
     for name, p in params.items():
         p.grad = grads[name].float()
     opt = torch.optim.AdamW(params.values(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
-    torch.compile(opt.step, backend="eager")()
+    torch.compile(opt.step, backend=backend)()
     return {name: p.detach() for name, p in params.items()}
 
 
@@ -44,9 +48,10 @@ def _tolerance(before, after_hi):
 @pytest.mark.parametrize("foreach", [False, True])
 def test_triton_step_matches_stock_adamw_and_eager_rewrite(foreach):
     """One AdamW step from the same state. The masters the Triton kernels store (bf16 + error term,
-    decoded) equal stock fp32 AdamW's step from the same masters within one error-term code step
-    (plus fp32 operation-order rounding), like the op-by-op CUDA run of the same rewritten graph;
-    the two runs' 8-bit state codes agree within one."""
+    decoded) equal stock fp32 AdamW's step, compiled by Inductor, from the same masters within one
+    error-term code step (plus fp32 operation-order rounding); the op-by-op CUDA run of the same
+    rewritten graph equals stock AdamW traced by Dynamo and run eagerly the same way; the two runs'
+    8-bit state codes agree within one."""
     triton_model, triton_opt = _prepared("inductor", foreach)
     eager_model, eager_opt = _prepared("eager", foreach)
     masters_before = flash_inductor.master_state_dict(triton_model, triton_opt)
@@ -55,9 +60,11 @@ def test_triton_step_matches_stock_adamw_and_eager_rewrite(foreach):
         for name, p in model.named_parameters():
             p.grad = grads[name].clone()
         opt.step()
-    reference = _stock_adamw_step(masters_before, grads)
+    references = {"triton": _stock_adamw_step(masters_before, grads, "inductor"),
+                  "eager": _stock_adamw_step(masters_before, grads, "eager")}
     params = dict(triton_model.named_parameters())
     for label, model, opt in (("triton", triton_model, triton_opt), ("eager", eager_model, eager_opt)):
+        reference = references[label]
         for name, master in flash_inductor.master_state_dict(model, opt).items():
             tol = _tolerance(masters_before[name], params[name].detach())
             err = (master.double() - reference[name].double()).abs() / tol
