@@ -16,6 +16,7 @@ from test_fp8_formats import f32, ref_pow2_floor, ref_round_fp8, ref_scale
 import flash_inductor
 from flash_inductor.demo import TinyGPT
 from flash_inductor.fp8_delayed import KEYS, buffer_name
+from flash_inductor.fp8_linear import fp8_linear
 from flash_inductor.options import Options
 from helpers import EAGER, lm_train_step
 
@@ -165,6 +166,22 @@ def test_power_of_two_scales_follow_the_spec():
     for r in results:
         for s in (*r[4]["scale"].tolist(), *r[4]["grad_scale"].tolist()):
             assert s == ref_pow2_floor(s)
+
+
+def test_power_of_two_scales_with_current_scaling():
+    """The option reaches tensorwise scaling too: the GEMM equals _scaled_mm of operands cast with
+    the reference power-of-two scales, and differs from the one with unrounded scales."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(32, 64, generator=gen), torch.randn(48, 64, generator=gen) * 0.05
+    out = fp8_linear(x, w, power_of_two=True)
+
+    def gemm(round_scale):
+        sx, sw = (round_scale(ref_scale(t.double().abs().max().item(), 448.0).item()) for t in (x, w))
+        xq, wq = (_ref_cast(t, s, E4M3).to(E4M3) for t, s in ((x, sx), (w, sw)))
+        return torch._scaled_mm(xq, wq.t(), torch.tensor(1 / sx), torch.tensor(1 / sw), out_dtype=torch.bfloat16)
+
+    assert torch.equal(out, gemm(ref_pow2_floor).float())
+    assert not torch.equal(out, gemm(lambda s: s).float())
 
 
 def test_state_dict_round_trip_then_continuing_is_bit_identical(compiled):
