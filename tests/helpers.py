@@ -3,7 +3,6 @@
 import math
 
 import torch.nn as nn
-import torch.nn.functional as F
 
 # Run prepared optimizers' steps through the rewritten graph without Inductor: the same passes,
 # no 15-35 s kernel compile per test.
@@ -56,19 +55,3 @@ def ref_decode_state(codes, scales, shape, kind):
     else:
         x = (q / 255 * s) ** 2
     return x.reshape(-1)[: math.prod(shape)].reshape(shape)
-
-
-def lm_train_step(model, optimizer, **options):
-    """A next-token cross-entropy training step of ``model`` (tokens -> logits [B, T, V]) under
-    ``@flash_inductor.train_step`` with ``options``."""
-    import flash_inductor
-
-    @flash_inductor.train_step(model=model, optimizer=optimizer, **options)
-    def step(x, y):
-        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
-    return step

@@ -14,11 +14,11 @@ import torch.nn as nn
 from test_fp8_formats import f32, ref_pow2_floor, ref_round_fp8, ref_scale
 
 import flash_inductor
-from flash_inductor.demo import TinyGPT
+from flash_inductor.demo import TinyGPT, lm_train_step
 from flash_inductor.fp8_delayed import KEYS, buffer_name
 from flash_inductor.fp8_linear import fp8_linear
 from flash_inductor.options import Options
-from helpers import EAGER, lm_train_step
+from helpers import EAGER
 
 pytestmark = pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
 

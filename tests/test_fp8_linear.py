@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 
 import flash_inductor
-from flash_inductor.demo import TinyGPT
+from flash_inductor.demo import TinyGPT, lm_train_step
 from flash_inductor.formats import fp8
-from helpers import EAGER, lm_train_step
+from helpers import EAGER
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
