@@ -12,7 +12,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from flash_inductor import roles
+from flash_inductor import fp8_delayed, roles
 from flash_inductor.formats import companded, split_weights
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State, StateTensor
 
@@ -210,8 +210,9 @@ def _keeps_fp32(name, module, patterns):
 
 
 def _convert_model(model, keep_fp32):
-    """Cast fp32 parameters and buffers to bf16 in place (same Parameter objects); return the
-    original fp32 values of the cast parameters, which become their masters."""
+    """Cast fp32 parameters and buffers (except FP8 delayed-scaling state) to bf16 in place (same
+    Parameter objects); return the original fp32 values of the cast parameters, which become their
+    masters."""
     if isinstance(keep_fp32, str):
         keep_fp32 = (keep_fp32,)
     masters = {}
@@ -226,7 +227,7 @@ def _convert_model(model, keep_fp32):
                 masters[p] = p.data  # the fp32 storage itself: p.data is replaced, not written
                 p.data = p.data.to(torch.bfloat16)
         for bname, b in module.named_buffers(recurse=False):
-            if b.dtype == torch.float32:
+            if b.dtype == torch.float32 and not fp8_delayed.is_state_buffer(bname):
                 setattr(module, bname, b.to(torch.bfloat16))
     for module in kept:
         _cast_io_to_fp32(module)

@@ -4,6 +4,7 @@ import functools
 
 from flash_inductor import roles
 from flash_inductor.backend import compile as compile_with_backend
+from flash_inductor.fp8_delayed import prepare_fp8
 from flash_inductor.prepare import prepare
 
 _PREPARE_ARGS = ("master_weight_bits", "state_bits", "keep_fp32", "min_quantized_numel",
@@ -16,6 +17,7 @@ def train_step(fn=None, *, model, optimizer, **options):
 
     ``optimizer`` is prepared once, with the keyword arguments of ``prepare`` found in
     ``options`` (``master_weight_bits``, ``state_bits``, ...); the rest are backend options.
+    With ``fp8="delayed"``, ``model`` gets its delayed-scaling state (``prepare_fp8``).
     Dynamo captures the forward (AOTAutograd derives the backward) and the optimizer step as one
     graph each: the prepared ``step`` is traced inline, between the graph breaks torch places
     around every optimizer step.
@@ -27,5 +29,7 @@ def train_step(fn=None, *, model, optimizer, **options):
         prepare(model, optimizer, **prepare_args)
     elif prepare_args:
         raise ValueError(f"train_step: optimizer is already prepared; drop {sorted(prepare_args)}")
+    if options.get("fp8") == "delayed":
+        prepare_fp8(model, **options)
     compiled = compile_with_backend(fn, **options)
     return functools.wraps(fn)(compiled)
