@@ -17,8 +17,9 @@ sums, division by the world size after). Each rewritten collective keeps its own
 long as its compiled graph lives (a recompile starts again from mu = 1/n). Live states are listed by
 ``states()``.
 
-Rewritten: all-reduces with op "sum" or "avg" of fp32/bf16/fp16 tensors over more than one rank,
-whose result is only read through ``wait_tensor``. Every candidate's decision is recorded for
+Rewritten: all-reduces with op "sum" or "avg" of fp32/bf16/fp16 tensors of at least one dimension
+over more than one rank, whose result is only read through ``wait_tensor``. Every such all-reduce
+in a compiled graph is taken for a gradient's; scalars (losses, metrics) are left alone. Every candidate's decision is recorded for
 inspection. The rewrite is at torch level because the state must be a graph input, which an
 aten-level pass cannot add.
 """
@@ -58,6 +59,8 @@ def _decide(node):
     value = x.meta.get("example_value") if isinstance(x, fx.Node) else None
     if value is None or value.dtype not in _FLOAT_DTYPES:
         return None, f"dtype {getattr(value, 'dtype', None)}"
+    if value.dim() == 0:
+        return None, "a scalar (a loss or metric, not a gradient)"
     if not node.users or not all(_is(user, _C10D.wait_tensor) for user in node.users):
         return None, "result is used without wait_tensor"
     size = _resolve_process_group(group_name).size()

@@ -36,13 +36,14 @@ def _state():
     return list(fp8_collectives.states().values())[-1]  # the newest collective's
 
 
-def _explicit_all_reduce(rank):
+def _explicit_all_reduce(rank, device="cpu", compiler="eager"):
     """A step that all-reduces a gradient itself: plain steps, then a planted spike with mu forced
     to 1 (the start, 1/n, cannot overflow), then the spike again."""
-    reduce_sum = flash_inductor.compile(lambda g: fcol.all_reduce(g, "sum", dist.group.WORLD), **OPTIONS)
+    reduce_sum = flash_inductor.compile(lambda g: fcol.all_reduce(g, "sum", dist.group.WORLD), fp8_collectives=True,
+                                        compiler=compiler)
     steps = []
     for step in range(4):
-        g = _gradient(rank, step)
+        g = _gradient(rank, step).to(device)
         if step >= 2:
             g[PLANTED] = HUGE
         if step == 2:
@@ -51,8 +52,8 @@ def _explicit_all_reduce(rank):
         out = reduce_sum(g)
         unrewritten = g.clone()
         dist.all_reduce(unrewritten)
-        steps.append({"input": g, "out": out, "unrewritten": unrewritten, "mu_before": mu_before,
-                      "state": _state().clone()})
+        steps.append({"input": g.cpu(), "out": out.cpu(), "unrewritten": unrewritten.cpu(), "mu_before": mu_before,
+                      "state": _state().clone().cpu()})
     return steps
 
 
@@ -101,9 +102,14 @@ def _bytes_sent(rank):
     return sent
 
 
+def _three_all_reduces(g):
+    """A gradient's sum (rewritten), a scalar metric's sum and a max (both left alone)."""
+    world = dist.group.WORLD
+    return fcol.all_reduce(g, "sum", world), fcol.all_reduce(g.abs().sum(), "sum", world), fcol.all_reduce(g, "max", world)
+
+
 def _golden_graph(rank):
-    report = flash_inductor.inspect(
-        flash_inductor.compile(lambda g: fcol.all_reduce(g, "sum", dist.group.WORLD), **OPTIONS), _gradient(rank, 0))
+    report = flash_inductor.inspect(flash_inductor.compile(_three_all_reduces, **OPTIONS), _gradient(rank, 0))
     (graph,) = report.graphs
     stage = next(s for s in graph.stages if s.name == "fp8_collectives")
     lines = [line.rstrip() for line in stage.code.splitlines() if line.strip() and not line.strip().startswith("#")]
@@ -121,11 +127,22 @@ def _worker(rank, init_file, out_dir):
     dist.destroy_process_group()
 
 
+def _nccl_worker(rank, init_file, out_dir):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    torch.save({"explicit": _explicit_all_reduce(rank, "cuda", "inductor")}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _run_ranks(worker):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(f"{tmp}/init", tmp), nprocs=WORLD)
+        return [torch.load(f"{tmp}/rank{r}.pt") for r in range(WORLD)]
+
+
 @pytest.fixture(scope="module")
 def ranks():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(f"{tmp}/init", tmp), nprocs=WORLD)
-        return [torch.load(f"{tmp}/rank{r}.pt") for r in range(WORLD)]
+    return _run_ranks(_worker)
 
 
 # ---- fp64 references, from the e4m3 format ----
@@ -185,7 +202,7 @@ def test_fp8_collectives_option_is_checked():
 
 # ---- 2 processes ----
 
-def test_all_ranks_use_one_scale_from_the_max_amax(ranks):
+def check_one_scale_from_the_max_amax(ranks):
     for step in range(4):
         states = [r["explicit"][step]["state"] for r in ranks]
         assert torch.equal(states[0], states[1])
@@ -197,8 +214,7 @@ def test_all_ranks_use_one_scale_from_the_max_amax(ranks):
     assert inputs[1].abs().max() > 1.5 * inputs[0].abs().max()
 
 
-@pytest.mark.parametrize("step", [0, 1])
-def test_sum_within_fp8_error_of_exact_and_unrewritten(ranks, step):
+def check_sum_within_fp8_error_of_exact_and_unrewritten(ranks, step):
     inputs = [r["explicit"][step]["input"] for r in ranks]
     scale = ranks[0]["explicit"][step]["state"][fp8_collective.SCALE].item()
     bound = fp8_sum_bound(inputs, scale)
@@ -210,6 +226,25 @@ def test_sum_within_fp8_error_of_exact_and_unrewritten(ranks, step):
         unrewritten = r["explicit"][step]["unrewritten"].double()  # gloo's fp32 sum: rounds by 2**-24
         assert ((out.double() - unrewritten).abs() <= bound + 2**-23 * unrewritten.abs()).all()
         assert (out - unrewritten.float()).abs().max() > 0  # FP8 really was on the wire
+
+
+def test_all_ranks_use_one_scale_from_the_max_amax(ranks):
+    check_one_scale_from_the_max_amax(ranks)
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_sum_within_fp8_error_of_exact_and_unrewritten(ranks, step):
+    check_sum_within_fp8_error_of_exact_and_unrewritten(ranks, step)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs")
+def test_nccl_with_triton_kernels():
+    """The same explicit steps over NCCL, compiled by Inductor (Triton)."""
+    ranks = _run_ranks(_nccl_worker)
+    check_one_scale_from_the_max_amax(ranks)
+    for step in (0, 1):
+        check_sum_within_fp8_error_of_exact_and_unrewritten(ranks, step)
 
 
 def test_planted_spike_halves_mu_and_stays_finite(ranks):
@@ -275,11 +310,18 @@ def test_bytes_sent_per_step_half_of_bf16(ranks):
 
 def test_rewritten_graph(ranks):
     golden = ranks[0]["golden"]
-    assert golden["decisions"] == [("fp8_collectives", "tensor", fp8_collectives._PATH)]
+    assert [d[2] for d in golden["decisions"]] == [
+        fp8_collectives._PATH, "unchanged: a scalar (a loss or metric, not a gradient)", "unchanged: reduce op 'max'"]
     # Regenerate after an intended change with EXPECTTEST_ACCEPT=1.
     expecttest.TestCase().assertExpectedInline(golden["code"], """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_g_: "f32[1001]cpu", fp8_collective_0: "f32[2]cpu"):
         l_g_ = L_g_
-        all_reduce: "f32[1001]cpu" = flash_inductor_formats_fp8_collective_all_reduce(l_g_, fp8_collective_0, 'sum', '0', 2);  l_g_ = fp8_collective_0 = None
-        return (all_reduce,)""")
+        all_reduce: "f32[1001]cpu" = flash_inductor_formats_fp8_collective_all_reduce(l_g_, fp8_collective_0, 'sum', '0', 2);  fp8_collective_0 = None
+        abs_1: "f32[1001]cpu" = l_g_.abs()
+        sum_1: "f32[]cpu" = abs_1.sum();  abs_1 = None
+        tensor_1: "f32[]cpu" = torch.ops._c10d_functional.all_reduce(sum_1, 'sum', '0');  sum_1 = None
+        wait_tensor_1: "f32[]cpu" = torch.ops._c10d_functional.wait_tensor(tensor_1);  tensor_1 = None
+        tensor_2: "f32[1001]cpu" = torch.ops._c10d_functional.all_reduce(l_g_, 'max', '0');  l_g_ = None
+        wait_tensor_2: "f32[1001]cpu" = torch.ops._c10d_functional.wait_tensor(tensor_2);  tensor_2 = None
+        return (all_reduce, wait_tensor_1, wait_tensor_2)""")
