@@ -14,11 +14,12 @@ bytes instead of ``x``'s dtype. With ``n`` ranks and ``mu`` from ``state``:
     out    = float(gathered) / scale   (/ n for "avg")     division by the world size after the sum
     mu'    = next_mu(mu, sum of the n counts, numel)         every rank sees the same counts
 
-**Why an exchange and not an FP8 sum.** gloo refuses float8 tensors (DESIGN §2.5) and torch's
-collectives cannot sum FP8, so the payload travels as ``uint8`` views and the sum is done locally
-in fp32 (the "exchange" path; the only one implemented). Each rank sends ``(n-1)/n`` of its bytes
-in each of the two phases: ``2 (n-1)/n`` bytes per element, like a ring all-reduce of 1-byte
-elements, plus the amax all-reduce (4 bytes) and the count (4 bytes per rank in the all-gather).
+**Why an exchange and not an FP8 sum.** gloo refuses float8 tensors (DESIGN §2.5) and cannot sum
+them, so the payload travels as ``uint8`` views and the sum is done locally in fp32 (the
+"exchange" path; the only one implemented, on every backend: a native FP8 sum in NCCL was not
+tried). Each rank sends ``(n-1)/n`` of its bytes in each of the two phases: ``2 (n-1)/n`` bytes
+per element, like a ring all-reduce of 1-byte elements, plus the amax all-reduce (4 bytes) and the
+count (4 bytes per rank in the all-gather).
 
 **e4m3, not e5m2.** With one dynamic scale per tensor the range is set by the scale; what the
 format adds is precision. e4m3 halves the rounding error of e5m2 (3 mantissa bits: relative error
