@@ -24,6 +24,8 @@ class Options:
     fp8_min_weight_numel: smallest weight (elements) worth an FP8 GEMM.
     fp8_exclude: fnmatch patterns of module names kept in bf16 (e.g. the first and last layers).
     fp8_filter: callable(module name) -> bool; False keeps that linear in bf16.
+    fp8_collectives: gradient all-reduces (sum/avg) send e4m3 bytes with one scale agreed by all
+        ranks (``passes/fp8_collectives.py``).
     """
 
     disable: tuple[str, ...] = ()
@@ -36,6 +38,7 @@ class Options:
     fp8_min_weight_numel: int = 1 << 20
     fp8_exclude: tuple[str, ...] = ()
     fp8_filter: Any = None
+    fp8_collectives: bool = False
 
     @classmethod
     def from_dict(cls, options):
@@ -78,11 +81,18 @@ class Options:
             disable=tuple(disable), inductor=tuple(inductor), dump=dump, compiler=compiler, fp8=fp8,
             fp8_min_weight_numel=int(options.get("fp8_min_weight_numel", cls.fp8_min_weight_numel)),
             fp8_exclude=tuple(exclude), fp8_filter=fp8_filter, fp8_history_length=history,
-            fp8_power_of_two_scales=power_of_two,
+            fp8_power_of_two_scales=power_of_two, fp8_collectives=_flag(options, "fp8_collectives"),
         )
 
     def enabled(self, pass_name):
         return pass_name not in self.disable
+
+
+def _flag(options, name):
+    value = options.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"flashoptim: option {name!r} must be True or False, got {value!r}")
+    return value
 
 
 def _check_pass_names(names):

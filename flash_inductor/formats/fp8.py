@@ -41,8 +41,9 @@ gradient of 1e-5 as its smallest subnormal, 2**-16, and flushes smaller ones to 
 
 FP8 collectives (§2.5): all ranks use the scale of the all-reduced MAX of their amaxes. Because fp32
 division and the power-of-two rounding are monotone, ``scale_from_amax(max_r amax_r)`` equals
-``min_r scale_from_amax(amax_r)`` exactly, so reducing either gives the same bits. ``overflow_fraction``
-measures how much of a tensor (e.g. the reduced sum) a scale would saturate, for the ``mu`` auto-scaling.
+``min_r scale_from_amax(amax_r)`` exactly, so reducing either gives the same bits. ``overflow_count`` / ``overflow_fraction``
+measure how much of a tensor (e.g. the reduced sum) a scale would saturate, for the ``mu`` auto-scaling
+(``formats/fp8_collective.py``).
 
 Edge cases:
 - amax 0 (an all-zero tensor) or not finite (inf or nan anywhere in x): with ``previous_scale`` the
@@ -151,10 +152,14 @@ def scale_from_history(history, dtype, previous_scale, power_of_two=False, curre
     return scale_from_amax(window, dtype, previous_scale, power_of_two)
 
 
+def overflow_count(x, scale, dtype):
+    """How many elements have ``|x * scale| > fp8_max`` (int64; fp32 product; inf counts, nan does not)."""
+    return torch.count_nonzero((x.to(torch.float32) * scale).abs() > max_value(dtype))
+
+
 def overflow_fraction(x, scale, dtype):
-    """The fraction of elements with ``|x * scale| > fp8_max`` (fp32 product; inf counts, nan does not)."""
-    over = (x.to(torch.float32) * scale).abs() > max_value(dtype)
-    return torch.count_nonzero(over).to(torch.float32) / x.numel()
+    """The fraction of elements with ``|x * scale| > fp8_max`` (see ``overflow_count``)."""
+    return overflow_count(x, scale, dtype).to(torch.float32) / x.numel()
 
 
 def sqnr_db(reference, approx):
