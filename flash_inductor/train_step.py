@@ -7,7 +7,7 @@ from flash_inductor.backend import compile as compile_with_backend
 from flash_inductor.prepare import prepare
 
 _PREPARE_ARGS = ("master_weight_bits", "state_bits", "keep_fp32", "min_quantized_numel",
-                 "compressed_state_dict", "check_numerics")
+                 "compressed_state_dict", "check_numerics", "gradient_release")
 
 
 def train_step(fn=None, *, model, optimizer, **options):
@@ -24,7 +24,8 @@ def train_step(fn=None, *, model, optimizer, **options):
     if fn is None:
         return functools.partial(train_step, model=model, optimizer=optimizer, **prepare_args, **options)
     if optimizer not in roles.PREPARED:
-        prepare(model, optimizer, **prepare_args)
+        # The step runs with these options too where it is not traced inline (gradient release).
+        prepare(model, optimizer, compile_options=options, **prepare_args)
     elif prepare_args:
         raise ValueError(f"train_step: optimizer is already prepared; drop {sorted(prepare_args)}")
     compiled = compile_with_backend(fn, **options)
