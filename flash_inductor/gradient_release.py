@@ -37,7 +37,6 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from flash_inductor import checks, roles
 
@@ -127,7 +126,7 @@ class GradientRelease:
                 "and freed in backward; call optimizer.step() (or zero_grad()) after every backward, or use "
                 "gradient_release=False"
             )
-        if not isinstance(param, DTensor) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if _data_parallel(param):
             raise RuntimeError(
                 f"{OPTION}: parameter '{name}' is a plain tensor in a {dist.get_world_size()}-process run: with data "
                 "parallelism (DistributedDataParallel) it would be updated with its local gradient before the "
@@ -143,6 +142,15 @@ class GradientRelease:
         param.grad = None
 
 
+def _data_parallel(param):
+    """A plain (not DTensor) parameter in a multi-process run: replicated, its gradient local."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return not isinstance(param, DTensor)
+
+
 @torch.compiler.disable
 def _step(optimizer, closure=None):
     """``optimizer.step()`` under gradient release: the updates happened in backward."""
@@ -151,15 +159,16 @@ def _step(optimizer, closure=None):
         with torch.enable_grad():
             loss = closure()
     release = roles.PREPARED[optimizer].gradient_release
-    # A gradient that is still there was set without a backward (or its hook failed): it would be
-    # silently ignored.
-    for p in release.optimizers:
-        if p.grad is not None:
-            raise RuntimeError(
-                f"{OPTION}: parameter '{release.record.param_names.get(p, '?')}' has a gradient at "
-                "optimizer.step(); gradients are applied in backward, and one set otherwise would be ignored; "
-                "compute it with loss.backward() or use gradient_release=False"
-            )
+    # A gradient still there at the step did not pass through a hook (set by hand, or of a parameter
+    # that did not require grad at prepare): it would be silently ignored.
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                raise RuntimeError(
+                    f"{OPTION}: parameter '{release.record.param_names.get(p, '?')}' has a gradient at "
+                    "optimizer.step(); only gradients computed by backward for parameters that required grad at "
+                    "prepare are applied (in backward), so this one would be ignored; use gradient_release=False"
+                )
     release.updated.clear()
     return loss
 

@@ -177,10 +177,22 @@ def test_gradient_accumulation_is_refused_before_anything_is_written():
     assert not torch.equal(model.fc2.weight, after_one_step["fc2.weight"])
 
 
-def test_a_gradient_set_without_backward_is_refused_at_step():
+def test_a_gradient_that_bypassed_the_hooks_is_refused_at_step():
+    """One set by hand, and one of a parameter frozen at prepare (no hook) and unfrozen later."""
     model, opt = _prepared()
     model.fc1.weight.grad = torch.ones_like(model.fc1.weight)
-    with pytest.raises(RuntimeError, match=r"'fc1.weight' has a gradient at optimizer.step\(\).*loss.backward\(\)"):
+    with pytest.raises(RuntimeError, match=r"'fc1.weight' has a gradient at optimizer.step\(\).*gradient_release=False"):
+        opt.step()
+
+    torch.manual_seed(0)
+    model = Net()
+    model.fc2.weight.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    flash_inductor.prepare(model, opt, compile_options=EAGER, gradient_release=True)
+    model.fc2.weight.requires_grad_(True)
+    _loss(model, _batches(128, 1)[0]).backward()
+    assert [n for n, p in model.named_parameters() if p.grad is not None] == ["fc2.weight"]
+    with pytest.raises(RuntimeError, match=r"'fc2.weight' has a gradient at optimizer.step\(\)"):
         opt.step()
 
 
