@@ -16,6 +16,7 @@ one warm-up step (compiles), then the measured steps.
 """
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -40,6 +41,7 @@ def measure(device, optimizer, release, *, layers=16, width=2048, steps=3, compi
     """One configuration's memory figures (bytes) and step times, as a dict."""
     cuda = device == "cuda"
     if cuda:
+        gc.collect()  # a previous configuration's model and optimizer hold reference cycles (hooks)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()

@@ -5,7 +5,7 @@
    ``@train_step``), with the rewritten graphs run op by op and, once, with Inductor kernels.
 2. Memory: after backward no gradient is alive, and the most gradient bytes alive at once during
    backward are one parameter's (without release: all of them); ``memory_report`` counts that.
-3. Errors: gradient accumulation, a gradient set without backward, DistributedDataParallel and
+3. Errors: gradient accumulation, a gradient that bypassed the hooks, DistributedDataParallel and
    plain parameters in a 2-process run are refused, naming the option and the fix.
 
 The GPU test measures ``torch.cuda.max_memory_allocated`` with and without release through
@@ -234,12 +234,15 @@ def test_data_parallel_is_refused(two_process_group):
 @pytest.mark.gpu
 @pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
 def test_peak_memory_drops_by_the_gradient_bytes(release_benchmark, optimizer):
-    """16 layers of 2048x2048: peak memory during a training step drops by the gradient bytes
-    (less the one or two gradients alive at a time), to about 5.1 (AdamW) / 4.1 (SGD) bytes/param."""
-    normal = release_benchmark.measure("cuda", optimizer, release=False)
-    released = release_benchmark.measure("cuda", optimizer, release=True)
+    """8 layers of 2048x2048 (an eager model): peak memory during a training step drops by the
+    gradient bytes (less the one or two gradients alive at a time), to about 5.1 (AdamW) / 4.1
+    (SGD) bytes/param (DESIGN §2.3)."""
+    normal = release_benchmark.measure("cuda", optimizer, release=False, layers=8)
+    released = release_benchmark.measure("cuda", optimizer, release=True, layers=8)
     grads, largest = normal["grad_bytes"], normal["largest_grad_bytes"]
     drop = normal["peak_bytes"] - released["peak_bytes"]
-    assert grads - 2 * largest <= drop <= 1.05 * grads, (drop, grads)
-    per_param = {"AdamW": 2 + 1 + 2 + 1 / 8, "SGD": 2 + 1 + 1 + 1 / 16}[optimizer]
-    assert released["peak_bytes_per_param"] == pytest.approx(per_param, abs=0.25)
+    assert grads - 2 * largest <= drop <= 1.1 * grads, (drop, grads)
+    # weights 2, error terms 1, states + scales; and at most two layers' gradients at a time
+    stored = {"AdamW": 2 + 1 + 2 + 1 / 8, "SGD": 2 + 1 + 1 + 1 / 16}[optimizer]
+    n = released["params"]
+    assert stored <= released["peak_bytes_per_param"] <= stored + (2 * largest) / n + 0.05, released
