@@ -18,7 +18,8 @@ def train_step(fn=None, *, model, optimizer, **options):
     ``options`` (``master_weight_bits``, ``state_bits``, ...); the rest are backend options.
     Dynamo captures the forward (AOTAutograd derives the backward) and the optimizer step as one
     graph each: the prepared ``step`` is traced inline, between the graph breaks torch places
-    around every optimizer step.
+    around every optimizer step. With ``gradient_release=True`` the updates run in backward hooks
+    instead, each parameter's step compiled with the same backend options.
     """
     prepare_args = {k: options.pop(k) for k in _PREPARE_ARGS if k in options}
     if fn is None:
