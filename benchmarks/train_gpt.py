@@ -536,6 +536,8 @@ def parse_args(argv):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="train_gpt.json")
     parser.add_argument("--plot", metavar="DIR", help="save loss_curves.png and memory_breakdown.png there")
+    parser.add_argument("--plot-from", nargs="+", metavar="JSON",
+                        help="only plot (into --plot) the runs of these result files, e.g. of runs made in parts")
     parser.add_argument("--find-largest", action="store_true",
                         help="instead of training: the deepest model (at this width, batch, context) that fits on "
                              "the GPU for fp32_fused_autocast and flashoptim")
@@ -573,8 +575,25 @@ def write_json(results, path):
         json.dump(results, f, indent=1)
 
 
+def plot_from(paths, folder):
+    """Merge the runs of several result files of the same model and plot them."""
+    results = None
+    for path in paths:
+        with open(path) as f:
+            part = json.load(f)
+        if results is None:
+            results = part
+        elif part["info"]["model"] != results["info"]["model"]:
+            raise ValueError(f"{path}: model {part['info']['model']} differs from {results['info']['model']}")
+        else:
+            results["runs"].update(part["runs"])
+    save_plots(results, folder)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot_from:
+        return plot_from(args.plot_from, args.plot or ".")
     device = torch.device(args.device)
     corpus = load_corpus()
     corpus.train, corpus.heldout = corpus.train.to(device), corpus.heldout.to(device)
