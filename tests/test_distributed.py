@@ -169,6 +169,21 @@ def _checkpoint_round_trip(kind, rank, ckpt_dir, **prepare_kw):
     return {"straight": stored_bits(model, opt), "resumed": stored_bits(resumed, resumed_opt)}
 
 
+def _fsdp_compiled_train_step(rank):
+    """The plain FSDP2 run, with the whole train step compiled through the backend."""
+    model, opt = _prepared(fsdp=True)
+
+    @torch.compile(backend="flashoptim", options=EAGER)
+    def step(x, y):
+        F.mse_loss(model(x.bfloat16()).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for x, y in _batches():
+        step(x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
+    return _whole_parameters(model, opt)
+
+
 def _compressed_uneven_state_dict_error():
     _, opt = _prepared(UnevenNet, fsdp=True, compressed_state_dict=True)
     try:
@@ -189,6 +204,7 @@ def _worker(rank, init_file, out_dir):
         results[kind, variant] = _data_parallel_run(kind, rank, *VARIANTS[variant])
     for kind, form in CHECKPOINTS:
         results[kind, "checkpoint", form] = _checkpoint_round_trip(kind, rank, f"{out_dir}/{kind}_{form}", **CHECKPOINT_FORMS[form])
+    results["fsdp", "compiled_train_step"] = _fsdp_compiled_train_step(rank)
     results["compressed_uneven_error"] = _compressed_uneven_state_dict_error()
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -265,6 +281,16 @@ def test_fsdp_keeps_error_terms_and_states_per_shard(results, variant):
         assert seen and all(s == (nn.Parameter, torch.bfloat16) for s in seen)
 
 
+def test_fsdp_train_step_compiled_through_the_backend_trains_like_the_loop(results):
+    """Forward, backward, ``opt.step()`` and ``zero_grad`` in one function compiled with
+    ``backend="flashoptim"`` (Dynamo breaks the graph at the sharded step, which compiles the
+    local step on its own) give the uncompiled loop's bits; the op-by-op compiler keeps that exact."""
+    for rank_results in results:
+        compiled, loop = rank_results["fsdp", "compiled_train_step"], rank_results["fsdp", "plain"]["state"]
+        assert compiled.keys() == loop.keys()
+        assert all(torch.equal(compiled[k], loop[k]) for k in loop)
+
+
 def test_fsdp_compressed_state_dict_of_uneven_shards_is_refused_clearly(results):
     for rank_results in results:
         message = rank_results["compressed_uneven_error"]
@@ -306,9 +332,9 @@ ONE_RANK_OPTIMIZERS = {
 def test_one_rank_fsdp_steps_exactly_like_the_unsharded_optimizer(one_rank, name):
     """On one rank a shard is the whole tensor, so the step of the local optimizer must give the
     unsharded prepared optimizer's bits, also when the lr changes between steps (as schedulers
-    change it, in place)."""
+    change it, in place); ``memory_report`` counts the same stored bytes."""
     opt_cls, kw = ONE_RANK_OPTIMIZERS[name]
-    runs = []
+    runs, memory = [], []
     for fsdp in (False, True):
         torch.manual_seed(0)
         model = Net()
@@ -323,7 +349,9 @@ def test_one_rank_fsdp_steps_exactly_like_the_unsharded_optimizer(one_rank, name
             opt.zero_grad()
             opt.param_groups[0]["lr"].mul_(0.5)
         runs.append({k: v.clone() for k, v in stored_bits(model, opt).items()})
+        memory.append(flash_inductor.memory_report(model, opt))
     unsharded, sharded = runs
+    assert memory[0].bytes == memory[1].bytes and memory[0].num_params == memory[1].num_params
     assert unsharded.keys() == sharded.keys()
     bad = [k for k in unsharded if not torch.equal(unsharded[k], sharded[k])]
     assert not bad, f"differ: {bad}"
