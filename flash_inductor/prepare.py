@@ -139,7 +139,10 @@ def prepare(
     from flash_inductor.options import Options
 
     Options.from_dict(compile_options)
+    if isinstance(keep_fp32, str):
+        keep_fp32 = (keep_fp32,)
     sharded.check_fsdp_not_started(model)
+    sharded.check_fsdp_groups_keep_one_dtype(model, lambda name, module: _keeps_fp32(name, module, keep_fp32))
     masters = _convert_model(model, keep_fp32)
 
     record = PreparedOptimizer(
@@ -217,8 +220,6 @@ def _keeps_fp32(name, module, patterns):
 def _convert_model(model, keep_fp32):
     """Cast fp32 parameters and buffers to bf16 in place (same Parameter objects); return the
     original fp32 values of the cast parameters, which become their masters."""
-    if isinstance(keep_fp32, str):
-        keep_fp32 = (keep_fp32,)
     masters = {}
     kept = []
     for name, module in model.named_modules():

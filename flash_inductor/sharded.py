@@ -59,6 +59,37 @@ def check_fsdp_not_started(model):
             )
 
 
+def check_fsdp_groups_keep_one_dtype(model, keeps_fp32):
+    """FSDP2 needs one dtype among the parameters of each ``fully_shard`` call; refuse (before
+    anything changes) a model where ``prepare`` would cast some of them to bf16 and keep others
+    fp32 (normalization layers, ``keep_fp32``). ``keeps_fp32(name, module)`` is prepare's rule."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def managed(module, name, owner):
+        """(fully_shard module, parameter name, dtype after prepare) of each parameter below
+        ``module``; a parameter belongs to the innermost fully_shard module above it."""
+        if isinstance(module, FSDPModule):
+            owner = name or "<root>"
+        for param_name, p in module.named_parameters(recurse=False):
+            cast = p.dtype == torch.float32 and not keeps_fp32(name, module)
+            yield owner, f"{name}.{param_name}" if name else param_name, torch.bfloat16 if cast else p.dtype
+        for child_name, child in module.named_children():
+            yield from managed(child, f"{name}.{child_name}" if name else child_name, owner)
+
+    dtypes = {}
+    for owner, param_name, dtype in managed(model, "", None):
+        if owner is not None:
+            dtypes.setdefault(owner, {}).setdefault(dtype, []).append(param_name)
+    for owner, by_dtype in dtypes.items():
+        if len(by_dtype) > 1:
+            listed = "; ".join(f"{dtype}: {', '.join(names)}" for dtype, names in by_dtype.items())
+            raise ValueError(
+                f"flash_inductor.prepare: the parameters fully_shard('{owner}') manages would get different dtypes "
+                f"({listed}), and FSDP2 needs one dtype per fully_shard call; call fully_shard on the modules that "
+                "stay fp32 (normalization layers, keep_fp32) separately, before fully_shard on their parent"
+            )
+
+
 def cast_parameter(p, dtype):
     """Give DTensor parameter ``p`` a ``dtype`` local shard, keeping the Parameter object; return
     its previous value. ``p.data = ...`` would not do: it leaves a DTensor's local tensor as it

@@ -6,6 +6,7 @@ each other, against single-process runs and against the layout FSDP2 shards impl
 """
 
 import contextlib
+import re
 import tempfile
 import warnings
 
@@ -358,16 +359,31 @@ def test_one_rank_fsdp_steps_exactly_like_the_unsharded_optimizer(one_rank, name
     assert any(k.endswith(".error") and sharded[k].any() for k in sharded)  # the masters really were split
 
 
-def test_prepare_after_the_first_fsdp_forward_is_refused_and_changes_nothing(one_rank):
-    torch.manual_seed(0)
-    model = Net()
+def _shard_each_layer_then_run_a_forward(model):
     for module in [*model.children(), model]:
         fully_shard(module)
     model(torch.randn(2, 128))
+
+
+# setup of a Net -> what the error must say
+REFUSED_FSDP_SETUPS = {
+    "one_fully_shard_would_mix_dtypes": (fully_shard, [r"fully_shard\('<root>'\)", r"norm\.weight", "separately"]),
+    "after_the_first_forward": (_shard_each_layer_then_run_a_forward, ["after fully_shard and before the first forward"]),
+}
+
+
+@pytest.mark.parametrize("setup", list(REFUSED_FSDP_SETUPS))
+def test_prepare_refuses_what_fsdp_cannot_train_and_changes_nothing(one_rank, setup):
+    shard, messages = REFUSED_FSDP_SETUPS[setup]
+    torch.manual_seed(0)
+    model = Net()
+    shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="after fully_shard and before the first forward"):
+    with pytest.raises(ValueError) as error:
         flash_inductor.prepare(model, opt)
+    for message in messages:
+        assert re.search(message, str(error.value)), message
     assert opt not in roles.PREPARED and not opt.state
     after = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
     assert all(after[n].dtype == torch.float32 and torch.equal(after[n], before[n]) for n in before)
