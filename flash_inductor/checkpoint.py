@@ -176,14 +176,19 @@ def _restore_state(saved, param, record, kind):
 
 
 def master_state_dict(model, optimizer):
-    """{parameter name: fp32 master value} (decoded split weights; fp32 parameters as they are)."""
+    """{parameter name: fp32 master value} (decoded split weights; fp32 parameters as they are).
+    Of a sharded (FSDP2) parameter: a DTensor like it."""
     record = roles.PREPARED[optimizer]
     names = {p: n for n, p in model.named_parameters()}
     out = {}
     for p in record.params():
         error = record.error_term(p)
         name = names.get(p, record.param_names.get(p))
-        out[name] = split_weights.decode(p.detach(), error) if error is not None else p.detach().float().clone()
+        if error is None:
+            out[name] = p.detach().float().clone()
+        else:
+            # Decoded per local shard: DTensor's rules garble the bf16 -> int16 view the decode reads.
+            out[name] = sharded.like(p, split_weights.decode(sharded.local(p.detach()), sharded.local(error)))
     return out
 
 
@@ -191,7 +196,9 @@ def master_state_dict(model, optimizer):
 def load_master_state_dict(model, optimizer, masters):
     """Set parameters from fp32 masters: bf16 values plus recomputed error terms.
 
-    Every entry is checked (name and shape) before any parameter is written.
+    Every entry is checked (name and shape) before any parameter is written. A sharded (FSDP2)
+    parameter takes a DTensor (as ``master_state_dict`` gives) or the whole value, of which each
+    rank keeps its shard.
     """
     record = roles.PREPARED[optimizer]
     params = dict(model.named_parameters())
@@ -204,7 +211,8 @@ def load_master_state_dict(model, optimizer, masters):
     for name, value in masters.items():
         p = params[name]
         error = record.error_term(p)
+        shard, value = sharded.local(p.detach()), sharded.local(sharded.shard_like(p, value))
         if error is not None:
-            split_weights.store(p, error, value.to(p.device, torch.float32))
+            split_weights.store(shard, sharded.local(error), value.to(shard.device, torch.float32))
         else:
-            p.copy_(value.to(p.device, p.dtype))
+            shard.copy_(value.to(shard.device, shard.dtype))

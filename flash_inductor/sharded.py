@@ -20,7 +20,7 @@ import types
 import weakref
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from flash_inductor import roles
 from flash_inductor.formats import companded
@@ -42,6 +42,16 @@ def like(ref, t):
     if not isinstance(ref, DTensor):
         return t
     return DTensor.from_local(t, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride())
+
+
+def shard_like(ref, value):
+    """``value`` (a whole tensor, or a DTensor) with ``ref``'s sharding, when ``ref`` is a
+    DTensor; a whole tensor is cut locally on each rank (no communication)."""
+    if not isinstance(ref, DTensor):
+        return value
+    if isinstance(value, DTensor):
+        return value.redistribute(ref.device_mesh, ref.placements)
+    return distribute_tensor(value, ref.device_mesh, ref.placements, src_data_rank=None)
 
 
 def check_fsdp_not_started(model):

@@ -142,7 +142,13 @@ def _data_parallel_run(kind, rank, model_cls, train_kw):
         seen = result["forward_weight"] = []
         model.fc1.register_forward_pre_hook(lambda m, args: seen.append((type(m.weight), m.weight.dtype)))
     result["grads"] = _train(model, forward, opt, _batches(), lambda t: t.chunk(WORLD)[rank], no_sync=no_sync, **train_kw)
-    result["state"] = _whole_parameters(model, opt) if kind == "fsdp" else stored_bits(model, opt)
+    if kind == "ddp":
+        result["state"] = stored_bits(model, opt)
+        return result
+    result["state"] = _whole_parameters(model, opt)
+    result["masters"] = {k: _full(v) for k, v in flash_inductor.master_state_dict(model, opt).items()}
+    flash_inductor.load_master_state_dict(model, opt, result["masters"])  # whole values: each rank keeps its shard
+    result["masters_after_loading"] = {k: _full(v) for k, v in flash_inductor.master_state_dict(model, opt).items()}
     return result
 
 
@@ -292,6 +298,38 @@ def test_fsdp_train_step_compiled_through_the_backend_trains_like_the_loop(resul
         assert all(torch.equal(compiled[k], loop[k]) for k in loop)
 
 
+@pytest.mark.parametrize("variant", ["plain", "uneven_shards"])
+def test_fsdp_master_state_dict_decodes_the_shards_and_loads_back(results, variant):
+    """``master_state_dict`` of a sharded model holds the masters of the whole parameters (the
+    reference: decode of the gathered bf16 values and error terms); loading them back as whole
+    tensors keeps every master to within one error-code step of the binade above it (a master
+    halfway below a power of two re-encodes in that coarser binade)."""
+    for rank_results in results:
+        run = rank_results["fsdp", variant]
+        state = run["state"]
+        for name, master in run["masters"].items():
+            assert master.dtype == torch.float32, name
+            if name + ".error" not in state:  # fp32 parameter: its own master
+                assert torch.equal(master, state[name]), name
+                continue
+            expected = _ref_master(state[name], state[name + ".error"])
+            fp32_ulp = torch.exp2(torch.frexp(expected)[1].double() - 24)
+            assert ((master.double() - expected).abs() <= fp32_ulp).all(), name  # one fp32 rounding
+        after = run["masters_after_loading"]
+        assert after.keys() == run["masters"].keys()
+        for name, before in run["masters"].items():
+            code_step_above = torch.exp2(torch.frexp(before)[1].double() - 8) / 127
+            assert ((after[name].double() - before.double()).abs() <= code_step_above).all(), name
+
+
+def _ref_master(hi, lo):
+    """DESIGN §2.1 decode in float64: hi + lo / 127 * 2**(e - 7 - 1), e the unbiased exponent of
+    bf16 ``hi`` (1 - 127 for zero and subnormals)."""
+    _, exponent = torch.frexp(hi.double())  # hi = m * 2**exponent, 0.5 <= |m| < 1
+    e = torch.where(hi == 0, torch.full_like(exponent, -125), exponent).clamp(min=-125) - 1
+    return hi.double() + lo.double() / 127 * torch.exp2((e - 8).double())
+
+
 def test_fsdp_compressed_state_dict_of_uneven_shards_is_refused_clearly(results):
     for rank_results in results:
         message = rank_results["compressed_uneven_error"]
@@ -333,9 +371,10 @@ ONE_RANK_OPTIMIZERS = {
 def test_one_rank_fsdp_steps_exactly_like_the_unsharded_optimizer(one_rank, name):
     """On one rank a shard is the whole tensor, so the step of the local optimizer must give the
     unsharded prepared optimizer's bits, also when the lr changes between steps (as schedulers
-    change it, in place); ``memory_report`` counts the same stored bytes."""
+    change it, in place); ``memory_report`` counts the same stored bytes and ``master_state_dict``
+    gives the same masters."""
     opt_cls, kw = ONE_RANK_OPTIMIZERS[name]
-    runs, memory = [], []
+    runs, memory, masters = [], [], []
     for fsdp in (False, True):
         torch.manual_seed(0)
         model = Net()
@@ -351,8 +390,10 @@ def test_one_rank_fsdp_steps_exactly_like_the_unsharded_optimizer(one_rank, name
             opt.param_groups[0]["lr"].mul_(0.5)
         runs.append({k: v.clone() for k, v in stored_bits(model, opt).items()})
         memory.append(flash_inductor.memory_report(model, opt))
+        masters.append({k: _full(v) for k, v in flash_inductor.master_state_dict(model, opt).items()})
     unsharded, sharded = runs
     assert memory[0].bytes == memory[1].bytes and memory[0].num_params == memory[1].num_params
+    assert masters[0].keys() == masters[1].keys() and all(torch.equal(masters[0][k], masters[1][k]) for k in masters[0])
     assert unsharded.keys() == sharded.keys()
     bad = [k for k in unsharded if not torch.equal(unsharded[k], sharded[k])]
     assert not bad, f"differ: {bad}"
