@@ -292,13 +292,13 @@ def new_state(record, param, kind, value=None):
     For a sharded parameter: the local shard's state as a DTensor like ``param``; whether it is
     quantized depends on the whole parameter's size, as without sharding."""
     quantize = record.state_bits == 8 and param.numel() >= record.min_quantized_numel
-    like, value = sharded.local(param), sharded.local(value)
+    shard, value = sharded.local(param), sharded.local(value)
     if value is not None:
-        value = value.to(like.device)
+        value = value.to(shard.device)
     if quantize:
-        state = CompandedState.zeros(like, kind) if value is None else CompandedState.encode(value, kind, like.dtype)
+        state = CompandedState.zeros(shard, kind) if value is None else CompandedState.encode(value, kind, shard.dtype)
     else:
-        state = Fp32State.zeros(like) if value is None else Fp32State.encode(value, like.dtype)
+        state = Fp32State.zeros(shard) if value is None else Fp32State.encode(value, shard.dtype)
     return sharded.like(param, state)
 
 
