@@ -100,10 +100,10 @@ def _whole_parameters(model, opt):
 def _shard_layout(model, opt):
     """What this rank stores per parameter: (dtype, shape) of its shard, of its error term's shard,
     and of each inner tensor of its states."""
+    bits = stored_bits(model, opt)
     return {
-        name: {k: (v.dtype, tuple(v.shape)) for k, v in bits.items()}
-        for name, bits in [(n, {k[len(n):]: v for k, v in stored_bits(model, opt).items() if k.startswith(n)})
-                           for n, _ in model.named_parameters()]
+        name: {k[len(name):]: (v.dtype, tuple(v.shape)) for k, v in bits.items() if k == name or k.startswith(name + ".")}
+        for name, _ in model.named_parameters()
     }
 
 
@@ -125,6 +125,7 @@ VARIANTS = {
 }
 KINDS = ("ddp", "fsdp")
 RUNS = [(kind, variant) for kind in KINDS for variant in VARIANTS if (kind, variant) != ("ddp", "uneven_shards")]
+CHECKPOINT_FORMS = {"decoded": {}, "compressed": {"compressed_state_dict": True}}
 # The compressed form of an unsharded optimizer is covered by tests/test_checkpoint.py.
 CHECKPOINTS = [("ddp", "decoded"), ("fsdp", "decoded"), ("fsdp", "compressed")]
 
@@ -199,8 +200,6 @@ def _compressed_uneven_state_dict_error():
         return str(error)
     return None
 
-
-CHECKPOINT_FORMS = {"decoded": {}, "compressed": {"compressed_state_dict": True}}
 
 
 def _worker(rank, init_file, out_dir):
