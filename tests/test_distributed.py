@@ -2,7 +2,8 @@
 
 One spawn runs every scenario: DDP and FSDP2 (``fully_shard``) training, and checkpoint round
 trips through ``torch.distributed.checkpoint``; the tests compare what the ranks saved against
-each other, against single-process runs and against the layout FSDP2 shards imply.
+each other, against single-process runs and against the layout FSDP2 shards imply. FSDP2 on a
+single rank (where a shard is the whole tensor) runs in this process, against unsharded runs.
 """
 
 import contextlib
