@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_check.py OUT_FOLDER
 
-Writes the report (one file per graph and pass, Inductor's output code) under OUT_FOLDER and
+Writes the report (one file per graph and pass, Inductor's output code) under OUT_FOLDER, the
+optimizer step's generated code as OUT_FOLDER/optimizer_step_triton.py, and
 prints the summary plus, for the optimizer-step graph, the number of Triton kernels and whether
 which fp32 buffers the step allocates (an fp32 copy of a state would show as one of its size).
 """
@@ -35,6 +36,8 @@ def main(folder):
     report.save(folder)
     print(report.summary())
     code = "\n".join(report.graph("optimizer step").kernels.values())
+    with open(f"{folder}/optimizer_step_triton.py", "w") as f:
+        f.write(code)
     kernels = re.findall(r"^def (triton_\w+)\(", code, re.M)
     fp32_bufs = re.findall(r"empty_strided_cuda\(\(([\d, ]+)\), \([\d, ]*\), torch\.float32\)", code)
     print(f"optimizer step: {len(kernels)} Triton kernels: {kernels}")

@@ -1,6 +1,6 @@
 """Optimizer-step benchmark (GPU): the flashoptim AdamW step against torch's fused AdamW.
 
-Two parameter lists: 64 tensors of 2048x2048 (268M parameters) and GPT-2-124M's 148 tensors.
+Peer (when installed): the ``flashoptim`` package's FlashAdamW. Two parameter lists: 64 tensors of 2048x2048 (268M parameters) and GPT-2-124M's 148 tensors.
 Each configuration runs in this one process; times are medians of ``triton.testing.do_bench``.
 
     python benchmarks/optimizer_step.py --out benchmarks/results/optimizer_step.json
@@ -13,6 +13,7 @@ Bytes moved per parameter by one step (each tensor read once and written once):
 """
 
 import argparse
+import importlib.util
 import json
 import platform
 import time
@@ -21,7 +22,7 @@ import torch
 
 import flash_inductor
 
-BYTES_PER_PARAM = {"torch_fused_fp32": 28.0, "torch_fused_bf16": 14.0, "flashoptim": 12.25}
+BYTES_PER_PARAM = {"torch_fused_fp32": 28.0, "torch_fused_bf16": 14.0, "flashoptim": 12.25, "flashoptim_pypi": 12.25}
 
 
 def gpt2_124m_shapes():
@@ -57,12 +58,24 @@ def bench_torch_fused(shapes, dtype):
     return {"ms": time_ms(opt.step), "compile_s": 0.0}
 
 
+def bench_flashoptim_pypi(shapes):
+    """Peer: the ``flashoptim`` package's FlashAdamW (bf16 params, 24-bit masters, 8-bit states; Triton)."""
+    from flashoptim import FlashAdamW
+
+    params = make_params(shapes, torch.bfloat16)
+    opt = FlashAdamW(params, lr=1e-4, weight_decay=0.1, master_weight_bits=24)
+    t0 = time.perf_counter()
+    opt.step()
+    torch.cuda.synchronize()
+    return {"ms": time_ms(opt.step), "compile_s": time.perf_counter() - t0}
+
+
 def bench_flashoptim(shapes, foreach, options):
     params = make_params(shapes, torch.float32)
     model = torch.nn.ParameterList(params)
     grads = [p.grad.to(torch.bfloat16) for p in params]
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=foreach)
-    flash_inductor.prepare(model, opt, min_quantized_numel=0, compile_options=options)
+    flash_inductor.prepare(model, opt, compile_options=options)  # tensors under 4096 elements keep fp32 states
     for p, g in zip(params, grads):
         p.grad = g
     t0 = time.perf_counter()
@@ -77,6 +90,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="optimizer_step.json")
     parser.add_argument("--lists", default="64x2048x2048,gpt2_124m")
+    parser.add_argument("--configs", default="torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_pypi",
+                        help="comma list of torch_fused_fp32, torch_fused_bf16, flashoptim, flashoptim_cudagraphs, "
+                             "flashoptim_pypi (skipped when the package is missing)")
     args = parser.parse_args()
     bandwidth = measure_copy_bandwidth()
     info = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), copy_bandwidth_GBps=bandwidth / 1e9,
@@ -88,14 +104,19 @@ def main():
         configs = {
             "torch_fused_fp32": lambda: bench_torch_fused(shapes, torch.float32),
             "torch_fused_bf16": lambda: bench_torch_fused(shapes, torch.bfloat16),
-            "flashoptim foreach=False": lambda: bench_flashoptim(shapes, False, {}),
-            "flashoptim foreach=False cudagraphs": lambda: bench_flashoptim(shapes, False, {"inductor": {"triton.cudagraphs": True}}),
+            "flashoptim": lambda: bench_flashoptim(shapes, False, {}),
+            "flashoptim_cudagraphs": lambda: bench_flashoptim(shapes, False, {"inductor": {"triton.cudagraphs": True}}),
+            "flashoptim_pypi": lambda: bench_flashoptim_pypi(shapes),
         }
-        for name, run in configs.items():
+        for name in args.configs.split(","):
+            if name == "flashoptim_pypi" and importlib.util.find_spec("flashoptim") is None:
+                print("flashoptim package not installed: flashoptim_pypi skipped")
+                continue
+            run = configs[name]
             torch._dynamo.reset()
             torch.cuda.empty_cache()
             result = run()
-            bpp = BYTES_PER_PARAM["flashoptim" if name.startswith("flashoptim") else name]
+            bpp = BYTES_PER_PARAM["flashoptim" if name.startswith("flashoptim_cuda") else name]
             floor_ms = n * bpp / bandwidth * 1e3
             row = dict(params=list_name, num_params=n, num_tensors=len(shapes), config=name, bytes_per_param=bpp,
                        achieved_GBps=n * bpp / (result["ms"] * 1e-3) / 1e9, floor_ms=floor_ms, **result)

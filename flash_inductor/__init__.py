@@ -8,6 +8,7 @@
 from flash_inductor import optim
 from flash_inductor.backend import compile
 from flash_inductor.checkpoint import load_master_state_dict, master_state_dict
+from flash_inductor.fp8_delayed import prepare_fp8
 from flash_inductor.inspection import inspect
 from flash_inductor.memory import memory_report
 from flash_inductor.prepare import prepare
@@ -16,5 +17,5 @@ from flash_inductor.train_step import train_step
 __version__ = "0.1.0"
 __all__ = [
     "compile", "inspect", "load_master_state_dict", "master_state_dict", "memory_report", "optim",
-    "prepare", "train_step",
+    "prepare", "prepare_fp8", "train_step",
 ]

@@ -15,7 +15,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-from flash_inductor import _compat, graph_utils, inspection, roles
+from flash_inductor import _compat, fp8_delayed, graph_utils, inspection, roles
 from flash_inductor.options import Options
 from flash_inductor.pipeline import AtenPasses, PassContext, run_torch_passes
 
@@ -32,8 +32,13 @@ def flashoptim_backend(gm, example_inputs, *, options=None, mode=None):
 
 
 def compile(fn=None, **options):
-    """``torch.compile(fn, backend="flashoptim", options=options)`` as a function (or decorator)."""
-    Options.from_dict(options)  # fail early on bad options
+    """``torch.compile(fn, backend="flashoptim", options=options)`` as a function (or decorator).
+
+    With ``fp8="delayed"``, a module ``fn`` first gets its delayed-scaling state (``prepare_fp8``).
+    """
+    parsed = Options.from_dict(options)  # fail early on bad options
+    if parsed.fp8 == "delayed" and isinstance(fn, torch.nn.Module):
+        fp8_delayed.prepare_fp8(fn, **options)
     if fn is None:
         return functools.partial(compile, **options)
     return torch.compile(fn, backend=flashoptim_backend, options=options or None)
@@ -57,7 +62,8 @@ def rewrite(gm, example_inputs, options: Options) -> Rewritten:
     is_step = any(r.kind == roles.PARAM and n in written for n, r in graph_roles.items())
     name = f"graph_{next(_graph_ids)}"
     record = inspection.new_graph_record(name, "optimizer step" if is_step else "model", graph_roles, options)
-    ctx = PassContext(graph_roles, written, options, record)
+    inputs = {node.name: tensor for node, tensor in roles.graph_input_tensors(gm, example_inputs).items()}
+    ctx = PassContext(graph_roles, written, options, record, inputs)
     new_gm, rewritten = run_torch_passes(gm, example_inputs, passes.TORCH_PASSES, ctx, name)
     return Rewritten(new_gm, graph_utils.bound_inputs(new_gm), rewritten, ctx, name)
 
@@ -73,9 +79,10 @@ def compile_graph(gm, example_inputs, options: Options):
                              passes.ATEN_PASSES)
     if not result.bound_inputs:
         return compiled
+    bind = graph_utils.bound_input_binder(result.graph_module)
 
     def run_with_bound_inputs(*args):
-        return compiled(*args, *result.bound_inputs)
+        return compiled(*args, *bind(args))
 
     return run_with_bound_inputs
 

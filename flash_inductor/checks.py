@@ -16,22 +16,27 @@ def check_before_step(optimizer):
     record = roles.PREPARED[optimizer]
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.grad is None:
-                continue
-            name = record.param_names.get(p, "?")
-            if p.grad.is_sparse:
-                raise RuntimeError(
-                    f"parameter '{name}' has a sparse gradient; flash_inductor optimizers need dense gradients "
-                    "(e.g. nn.Embedding(sparse=False))"
-                )
-            if p.grad.dtype != p.dtype or p.grad.shape != p.shape:
-                raise RuntimeError(
-                    f"parameter '{name}': gradient is {p.grad.dtype}{list(p.grad.shape)} but the parameter is "
-                    f"{p.dtype}{list(p.shape)}"
-                )
+            check_grad(record, p)
     if record.check_numerics:
         for group in optimizer.param_groups:
             check_lr_moves_weights(record, group)
+
+
+def check_grad(record, p):
+    """The compiled step needs a dense gradient of the parameter's dtype and shape (or none)."""
+    if p.grad is None:
+        return
+    name = record.param_names.get(p, "?")
+    if p.grad.is_sparse:
+        raise RuntimeError(
+            f"parameter '{name}' has a sparse gradient; flash_inductor optimizers need dense gradients "
+            "(e.g. nn.Embedding(sparse=False))"
+        )
+    if p.grad.dtype != p.dtype or p.grad.shape != p.shape:
+        raise RuntimeError(
+            f"parameter '{name}': gradient is {p.grad.dtype}{list(p.grad.shape)} but the parameter is "
+            f"{p.dtype}{list(p.shape)}"
+        )
 
 
 def smallest_step(param, error_term):

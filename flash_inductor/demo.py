@@ -43,6 +43,21 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(self.blocks(x)))
 
 
+def lm_train_step(model, optimizer, **options):
+    """The training step: next-token cross-entropy of ``model`` (tokens -> logits), backward and
+    optimizer step, compiled by ``@flash_inductor.train_step`` with ``options``."""
+
+    @flash_inductor.train_step(model=model, optimizer=optimizer, **options)
+    def step(x, y):
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -56,14 +71,7 @@ def main(argv=None):
     # Repeating text so the loss visibly falls within a few steps.
     text = torch.tensor(list(b"flash_inductor trains with split weights and 8-bit states. " * 64), device=args.device)
 
-    @flash_inductor.train_step(model=model, optimizer=optimizer)
-    def step(x, y):
-        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
+    step = lm_train_step(model, optimizer)
     seq = model.pos.shape[0]
     for i in range(args.steps):
         starts = torch.randint(0, text.numel() - seq - 1, (args.batch,), device=args.device)

@@ -1,28 +1,65 @@
-"""FP8 linear layer (FP8-LM level 1, Transformer Engine's "hybrid" format), current scaling.
+"""FP8 linear layer (FP8-LM level 1, Transformer Engine's "hybrid" format), current or delayed scaling.
 
     forward:   y  = x @ w.T + b       x, w in e4m3 with per-tensor scales, output bf16
     backward:  dx = dy @ w            dy in e5m2, w in e4m3
                dw = dy.T @ x          dy in e5m2, x in e4m3
                db = dy.sum(0)
 
-Every operand is scaled with ``scale = fp8_max / amax`` of its current value
-(``formats.fp8``); ``torch._scaled_mm`` multiplies with fp32 accumulation and takes the inverse
-scales. Its second operand must be column-major: an ``[N, K]`` row-major tensor transposed.
+Current scaling casts every operand with ``scale = fp8_max / amax`` of its current value
+(``formats.fp8``). Delayed scaling takes the scale from an amax history instead and records the
+operand's amax in it (``formats.fp8.scale_from_history``); the histories and last scales are
+buffers of the layer (``flash_inductor.fp8_delayed``) that this function updates in place: the
+forward the rows of x and w, the backward the grad-output's. ``torch._scaled_mm`` multiplies with
+fp32 accumulation and takes the inverse scales. Its second operand must be column-major: an
+``[N, K]`` row-major tensor transposed.
 
 It is a ``torch.autograd.Function`` of plain torch ops, so AOTAutograd traces forward and
 backward into the joint graph and Inductor fuses the amax reductions and casts with the
-neighbouring ops; ``_scaled_mm`` itself is an extern kernel.
+neighbouring ops; ``_scaled_mm`` itself is an extern kernel. AOTAutograd keeps the in-place
+buffer updates in the compiled graphs, the backward's too (it supports data mutations in the
+backward of forward inputs that do not require grad and that the forward does not mutate; the
+forward and backward state are separate buffers for that reason).
 """
+
+import fnmatch
 
 import torch
 
 from flash_inductor.formats import fp8
 
+_FP8_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-def _quantize(x, dtype):
-    """``(x in fp8, inverse scale)`` with the current per-tensor scale."""
-    scale = fp8.scale_from_amax(fp8.amax(x), dtype)
-    return fp8.cast_to_fp8(x, scale, dtype), scale.reciprocal()
+
+def ineligible_reason(weight, module_name, options):
+    """Why the linear layer of ``weight`` (a tensor or fake tensor; its module's name) stays in bf16
+    under ``options``, or None when it runs in FP8."""
+    if weight.dim() != 2:
+        return "weight is not a 2-D tensor"
+    if weight.dtype not in _FP8_WEIGHT_DTYPES:
+        return f"weight dtype {weight.dtype}"
+    n, k = weight.shape
+    if n % 16 or k % 16:
+        return f"weight {n}x{k}: FP8 GEMMs need both dims to be multiples of 16"
+    if n * k < options.fp8_min_weight_numel:
+        return f"weight {n}x{k} is under fp8_min_weight_numel={options.fp8_min_weight_numel}"
+    if any(fnmatch.fnmatchcase(module_name, pattern) for pattern in options.fp8_exclude):
+        return f"excluded by fp8_exclude {list(options.fp8_exclude)}"
+    if options.fp8_filter is not None and not options.fp8_filter(module_name):
+        return "rejected by fp8_filter"
+    return None
+
+
+def _quantize(t, dtype, power_of_two, history=None, scales=None, row=None):
+    """``(t in fp8, inverse scale)``: current scaling, or delayed scaling from ``history[row]``
+    (whose entry and ``scales[row]`` are then updated with ``t``'s amax and the scale used)."""
+    amax = fp8.amax(t)
+    if history is None:
+        scale = fp8.scale_from_amax(amax, dtype, power_of_two=power_of_two)
+    else:
+        scale = fp8.scale_from_history(history[row], dtype, scales[row], power_of_two, current_amax=amax)
+        history[row].copy_(fp8.update_amax_history(history[row], amax))
+        scales[row].copy_(scale)
+    return fp8.cast_to_fp8(t, scale, dtype), scale.reciprocal()
 
 
 def _scaled_mm(a, a_inv_scale, b_t, b_inv_scale):
@@ -44,11 +81,15 @@ def _output_dtype(x, weight):
 
 class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, power_of_two, amax_history, scale, grad_amax_history, grad_scale):
         x2 = x.reshape(-1, x.shape[-1])
-        x_fp8, x_inv = _quantize(x2, fp8.E4M3)
-        w_fp8, w_inv = _quantize(weight, fp8.E4M3)
+        x_fp8, x_inv = _quantize(x2, fp8.E4M3, power_of_two, amax_history, scale, 0)
+        w_fp8, w_inv = _quantize(weight, fp8.E4M3, power_of_two, amax_history, scale, 1)
         ctx.save_for_backward(x_fp8, x_inv, w_fp8, w_inv)
+        # Not saved tensors: the backward writes them, and autograd would refuse saved tensors that
+        # a later forward (the next micro-batch) modified in place.
+        ctx.grad_state = (grad_amax_history, grad_scale)
+        ctx.power_of_two = power_of_two
         ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         out = _scaled_mm(x_fp8, x_inv, w_fp8.t(), w_inv)
@@ -60,13 +101,20 @@ class Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_fp8, x_inv, w_fp8, w_inv = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g_fp8, g_inv = _quantize(g2, fp8.E5M2)
+        g_fp8, g_inv = _quantize(g2, fp8.E5M2, ctx.power_of_two, *ctx.grad_state, 0)
         grad_x = _scaled_mm(g_fp8, g_inv, _col_major(w_fp8), w_inv).reshape(ctx.input_shape)
         grad_w = _scaled_mm(g_fp8.t().contiguous(), g_inv, _col_major(x_fp8), x_inv)
         grad_b = None if ctx.bias_dtype is None else g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x.to(ctx.input_dtype), grad_w.to(ctx.weight_dtype), grad_b
+        return grad_x.to(ctx.input_dtype), grad_w.to(ctx.weight_dtype), grad_b, None, None, None, None, None
 
 
-def fp8_linear(x, weight, bias=None):
-    """``F.linear(x, weight, bias)`` with FP8 GEMMs in forward and backward."""
-    return Fp8LinearFunction.apply(x, weight, bias)
+def fp8_linear(x, weight, bias=None, *, power_of_two=False, amax_history=None, scale=None,
+               grad_amax_history=None, grad_scale=None):
+    """``F.linear(x, weight, bias)`` with FP8 GEMMs in forward and backward.
+
+    Current scaling by default. Delayed scaling with the layer's state (``fp8_delayed``):
+    ``amax_history`` [2, L] and ``scale`` [2] for x and w (rows 0 and 1), ``grad_amax_history``
+    [1, L] and ``grad_scale`` [1] for the grad-output, all fp32 and updated in place.
+    ``power_of_two``: scales rounded down to powers of two.
+    """
+    return Fp8LinearFunction.apply(x, weight, bias, power_of_two, amax_history, scale, grad_amax_history, grad_scale)

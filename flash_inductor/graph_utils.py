@@ -1,12 +1,16 @@
 """Small FX helpers shared by the passes and the pipeline."""
 
+import re
+
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 # Placeholders a pass adds carry the runtime tensor they stand for under this meta key; the
-# backend appends those tensors to the arguments of the compiled graph.
+# backend appends those tensors to the arguments of the compiled graph (or, where the pass gave
+# one under BOUND_LOOKUP, what ``lookup(args)`` returns for each call's arguments).
 BOUND_INPUT = "flashoptim_bound_input"
+BOUND_LOOKUP = "flashoptim_bound_lookup"
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -33,18 +37,51 @@ def input_name(node: fx.Node):
     return ".".join(reversed(parts)) if parts else node.name
 
 
-def add_bound_placeholder(graph: fx.Graph, name, tensor):
-    """Append a placeholder for ``tensor``, which the backend passes in at run time."""
+def python_name(text):
+    """``text`` as a Python identifier (``fc1.weight`` -> ``fc1_weight``): placeholders become arguments."""
+    name = re.sub(r"\W", "_", text)
+    return f"_{name}" if name[0].isdigit() else name
+
+
+def add_bound_placeholder(graph: fx.Graph, name, tensor, lookup=None):
+    """Append a placeholder for ``tensor``, which the backend passes in at run time.
+
+    With ``lookup``, each call passes ``lookup(args)`` instead (``args``: the graph's own
+    arguments): for a tensor that belongs to an input, which Dynamo may hand in as another object
+    on a later call (a parameter of another instance of the same module class).
+    """
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last):
         node = graph.placeholder(name)
     node.meta[BOUND_INPUT] = tensor
+    if lookup is not None:
+        node.meta[BOUND_LOOKUP] = lookup
     return node
 
 
+def _bound_placeholders(gm):
+    return [n for n in gm.graph.nodes if n.op == "placeholder" and BOUND_INPUT in n.meta]
+
+
 def bound_inputs(gm: fx.GraphModule):
-    """The runtime tensors of placeholders added by passes, in placeholder order."""
-    return [n.meta[BOUND_INPUT] for n in gm.graph.nodes if n.op == "placeholder" and BOUND_INPUT in n.meta]
+    """The compile-time tensors of placeholders added by passes, in placeholder order."""
+    return [n.meta[BOUND_INPUT] for n in _bound_placeholders(gm)]
+
+
+def bound_input_binder(gm: fx.GraphModule):
+    """``args -> the tensors to append to args`` for the placeholders added by passes."""
+    fixed = bound_inputs(gm)
+    lookups = [(i, n.meta[BOUND_LOOKUP]) for i, n in enumerate(_bound_placeholders(gm)) if BOUND_LOOKUP in n.meta]
+    if not lookups:
+        return lambda args: fixed
+
+    def bind(args):
+        bound = list(fixed)
+        for i, lookup in lookups:
+            bound[i] = lookup(args)
+        return bound
+
+    return bind
 
 
 def work_on_decoded_copy(graph: fx.Graph, node: fx.Node, decode, store, extra=(), name=None, view=None,

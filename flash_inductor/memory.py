@@ -40,8 +40,9 @@ def memory_report(model, optimizer):
 
     ``grads`` counts the gradient tensors present now, or, when none are allocated (after
     ``zero_grad``), what they will take: one gradient of each parameter's dtype, for parameters
-    that require one. ``model`` may be None; when given, it must own the optimizer's parameters.
-    Of an FSDP2-sharded model: this rank's shards (bytes and parameter count).
+    that require one; with gradient release, where each gradient is freed as soon as its
+    parameter is updated, the largest one. ``model`` may be None; when given, it must own the
+    optimizer's parameters. Of an FSDP2-sharded model: this rank's shards (bytes and parameter count).
     """
     record = roles.PREPARED.get(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -51,10 +52,13 @@ def memory_report(model, optimizer):
         if foreign:
             raise ValueError(f"memory_report: {foreign} optimizer parameters are not parameters of the model")
     sizes = dict.fromkeys(("weights", "error_terms", "states", "state_scales", "grads"), 0)
+    released = record is not None and record.gradient_release is not None
     for p in params:
         sizes["weights"] += _nbytes(p)
         if p.grad is not None:
             sizes["grads"] += _nbytes(p.grad)
+        elif p.requires_grad and released:
+            sizes["grads"] = max(sizes["grads"], _nbytes(p))
         elif p.requires_grad:
             sizes["grads"] += _nbytes(p)
         if record is not None and record.error_term(p) is not None:

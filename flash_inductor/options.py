@@ -4,6 +4,8 @@ import dataclasses
 import os
 from typing import Any
 
+from flash_inductor.formats.fp8 import HISTORY_LENGTH
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -14,11 +16,16 @@ class Options:
     dump: folder to write every graph before and after each pass to (also ``FLASHOPTIM_DUMP``).
     compiler: "inductor", or "eager" to run the rewritten graphs without Inductor (debugging:
         same rewrites, no kernels).
-    fp8: None, or "tensorwise" to run eligible linear layers as FP8 GEMMs with current scaling
-        (``passes/fp8_linear.py``; "delayed" scaling is not implemented yet).
+    fp8: None, or run eligible linear layers as FP8 GEMMs (``passes/fp8_linear.py``) with
+        "tensorwise" (current) scaling or "delayed" scaling from amax histories kept in buffers of
+        the layers (``flash_inductor.prepare_fp8`` makes them).
+    fp8_history_length: amax history window of delayed scaling (positive int).
+    fp8_power_of_two_scales: round FP8 scales down to powers of two (MS-AMP).
     fp8_min_weight_numel: smallest weight (elements) worth an FP8 GEMM.
     fp8_exclude: fnmatch patterns of module names kept in bf16 (e.g. the first and last layers).
     fp8_filter: callable(module name) -> bool; False keeps that linear in bf16.
+    fp8_collectives: gradient all-reduces (sum/avg) send e4m3 bytes with one scale agreed by all
+        ranks (``passes/fp8_collectives.py``).
     """
 
     disable: tuple[str, ...] = ()
@@ -26,9 +33,12 @@ class Options:
     dump: str | None = None
     compiler: str = "inductor"
     fp8: str | None = None
+    fp8_history_length: int = HISTORY_LENGTH
+    fp8_power_of_two_scales: bool = False
     fp8_min_weight_numel: int = 1 << 20
     fp8_exclude: tuple[str, ...] = ()
     fp8_filter: Any = None
+    fp8_collectives: bool = False
 
     @classmethod
     def from_dict(cls, options):
@@ -51,10 +61,16 @@ class Options:
         if compiler not in ("inductor", "eager"):
             raise ValueError(f"flashoptim: option 'compiler' must be 'inductor' or 'eager', got {compiler!r}")
         fp8 = options.get("fp8")
-        if fp8 == "delayed":
-            raise ValueError("flashoptim: fp8='delayed' (amax history) is not implemented yet; use fp8='tensorwise'")
-        if fp8 not in (None, "tensorwise"):
-            raise ValueError(f"flashoptim: option 'fp8' must be None or 'tensorwise', got {fp8!r}")
+        if fp8 not in (None, "tensorwise", "delayed"):
+            raise ValueError(f"flashoptim: option 'fp8' must be None, 'tensorwise' or 'delayed', got {fp8!r}")
+        history = options.get("fp8_history_length", cls.fp8_history_length)
+        if type(history) is not int or history < 1:
+            raise ValueError(
+                f"flashoptim: option 'fp8_history_length' must be a positive int (default {HISTORY_LENGTH}), got {history!r}"
+            )
+        power_of_two = options.get("fp8_power_of_two_scales", False)
+        if not isinstance(power_of_two, bool):
+            raise ValueError(f"flashoptim: option 'fp8_power_of_two_scales' must be True or False, got {power_of_two!r}")
         exclude = options.get("fp8_exclude", ())
         if isinstance(exclude, str):
             exclude = (exclude,)
@@ -64,11 +80,19 @@ class Options:
         return cls(
             disable=tuple(disable), inductor=tuple(inductor), dump=dump, compiler=compiler, fp8=fp8,
             fp8_min_weight_numel=int(options.get("fp8_min_weight_numel", cls.fp8_min_weight_numel)),
-            fp8_exclude=tuple(exclude), fp8_filter=fp8_filter,
+            fp8_exclude=tuple(exclude), fp8_filter=fp8_filter, fp8_history_length=history,
+            fp8_power_of_two_scales=power_of_two, fp8_collectives=_flag(options, "fp8_collectives"),
         )
 
     def enabled(self, pass_name):
         return pass_name not in self.disable
+
+
+def _flag(options, name):
+    value = options.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"flashoptim: option {name!r} must be True or False, got {value!r}")
+    return value
 
 
 def _check_pass_names(names):

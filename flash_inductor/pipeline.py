@@ -41,6 +41,7 @@ class PassContext:
     written: set  # names of the inputs the captured graph writes in place
     options: object  # flash_inductor.options.Options
     recorder: object = None  # flash_inductor.inspection.GraphRecorder, when inspecting
+    inputs: dict = dataclasses.field(default_factory=dict)  # input node name -> tensor (torch level)
 
 
 class PassFailed(Warning):

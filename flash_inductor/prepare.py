@@ -12,7 +12,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from flash_inductor import roles, sharded
+from flash_inductor import fp8_delayed, roles, sharded
 from flash_inductor.formats import companded, split_weights
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State, StateTensor
 
@@ -60,6 +60,7 @@ class PreparedOptimizer:
     check_numerics: bool
     error_terms: dict = dataclasses.field(default_factory=dict)  # param -> error term
     param_names: dict = dataclasses.field(default_factory=dict)  # param -> name
+    gradient_release: object = None  # a gradient_release.GradientRelease when prepared with it
 
     @property
     def optimizer(self):
@@ -109,6 +110,7 @@ def prepare(
     compressed_state_dict: bool = False,
     check_numerics: bool = False,
     compile_options: dict | None = None,
+    gradient_release: bool = False,
 ):
     """Make ``model`` + ``optimizer`` memory-efficient, in place; returns ``model``.
 
@@ -124,6 +126,9 @@ def prepare(
     - ``optimizer.step()`` then runs through the ``flashoptim`` backend (compiled on first call,
       with ``compile_options``); inside a function compiled with ``backend="flashoptim"`` it is
       traced with the rest.
+    - ``gradient_release=True`` instead updates each parameter in backward, as soon as its
+      gradient is complete, and frees the gradient; ``optimizer.step()`` only marks the end of a
+      step (flash_inductor/gradient_release.py).
     """
     # Everything is checked before anything is changed: a refused call leaves model and optimizer as
     # they were.
@@ -143,6 +148,12 @@ def prepare(
         keep_fp32 = (keep_fp32,)
     sharded.check_fsdp_not_started(model)
     sharded.check_fsdp_groups_keep_one_dtype(model, lambda name, module: _keeps_fp32(name, module, keep_fp32))
+    if gradient_release not in (True, False):
+        raise ValueError(f"gradient_release must be True or False, got {gradient_release!r}")
+    if gradient_release:
+        from flash_inductor import gradient_release as release
+
+        release.check_model(model)
     masters = _convert_model(model, keep_fp32)
 
     record = PreparedOptimizer(
@@ -166,7 +177,9 @@ def prepare(
                 record.error_terms[p] = sharded.like(p, lo)
             init_state(optimizer, record, group, p)
     roles.PREPARED[optimizer] = record
-    if any(sharded.is_sharded(p) for p in record.params()):
+    if gradient_release:
+        record.gradient_release = release.GradientRelease.install(optimizer, record, compile_options or {})
+    elif any(sharded.is_sharded(p) for p in record.params()):
         sharded.route_step_through_local_optimizer(optimizer, record, compile_options or {})
     else:
         route_step_through_backend(optimizer, compile_options or {})
@@ -218,8 +231,9 @@ def _keeps_fp32(name, module, patterns):
 
 
 def _convert_model(model, keep_fp32):
-    """Cast fp32 parameters and buffers to bf16 in place (same Parameter objects); return the
-    original fp32 values of the cast parameters, which become their masters."""
+    """Cast fp32 parameters and buffers (except FP8 delayed-scaling state) to bf16 in place (same
+    Parameter objects); return the original fp32 values of the cast parameters, which become their
+    masters."""
     masters = {}
     kept = []
     for name, module in model.named_modules():
@@ -234,7 +248,7 @@ def _convert_model(model, keep_fp32):
                 masters[p] = p.data  # the fp32 storage itself: p.data is replaced, not written
                 p.data = p.data.to(torch.bfloat16)
         for bname, b in module.named_buffers(recurse=False):
-            if b.dtype == torch.float32:
+            if b.dtype == torch.float32 and not fp8_delayed.is_state_buffer(bname):
                 setattr(module, bname, b.to(torch.bfloat16))
     for module in kept:
         _cast_io_to_fp32(module)
@@ -320,11 +334,22 @@ def route_step_through_backend(optimizer, compile_options):
             with torch.enable_grad():
                 loss = closure()
         checks.check_before_step(self)
-        # Every optimizer of a class shares one Dynamo cache (one code object, guarded on `self`);
-        # past the recompile limit Dynamo would silently run the step eagerly, without the passes.
-        limit = max(torch._dynamo.config.recompile_limit, 2 * len(roles.PREPARED) + 8)
-        with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
-            compiled()
+        run_compiled_step(compiled)
         return loss
 
     optimizer.step = types.MethodType(step, optimizer)
+
+
+def run_compiled_step(compiled):
+    """Call a compiled optimizer step with a Dynamo cache large enough for every prepared step.
+
+    Every optimizer of a class shares one Dynamo cache (one code object, guarded on ``self``), and
+    gradient release adds one single-parameter optimizer per parameter; past the recompile limit
+    Dynamo would silently run the step eagerly, without the passes.
+    """
+    steps = sum(1 + (len(r.gradient_release.optimizers) if r.gradient_release else 0) for r in list(roles.PREPARED.values()))
+    config = torch._dynamo.config
+    limit = max(config.recompile_limit, 2 * steps + 8)
+    with config.patch(recompile_limit=limit, accumulated_recompile_limit=max(config.accumulated_recompile_limit, limit),
+                      fail_on_recompile_limit_hit=True):
+        compiled()

@@ -9,11 +9,12 @@ not change: the backend matches each graph input against the tensors of the opti
 
 import dataclasses
 import operator
-import re
 import weakref
 
 import torch
 import torch.fx as fx
+
+from flash_inductor import graph_utils
 
 PARAM = "param"
 GRAD = "grad"
@@ -38,8 +39,7 @@ class Role:
         """A readable name for a node derived from this input: ``fc1_weight_exp_avg_fp32``."""
         parts = [self.prepared.param_names.get(self.param, "param")]
         parts += {PARAM: [], GRAD: ["grad"], STATE: [self.state_key]}[self.kind]
-        name = re.sub(r"\W", "_", "_".join(parts + [suffix]))
-        return f"_{name}" if name[0].isdigit() else name  # placeholders become Python arguments
+        return graph_utils.python_name("_".join(parts + [suffix]))
 
 
 def graph_input_tensors(gm, example_inputs):

@@ -4,10 +4,11 @@ import functools
 
 from flash_inductor import roles
 from flash_inductor.backend import compile as compile_with_backend
+from flash_inductor.fp8_delayed import prepare_fp8
 from flash_inductor.prepare import prepare
 
 _PREPARE_ARGS = ("master_weight_bits", "state_bits", "keep_fp32", "min_quantized_numel",
-                 "compressed_state_dict", "check_numerics")
+                 "compressed_state_dict", "check_numerics", "gradient_release")
 
 
 def train_step(fn=None, *, model, optimizer, **options):
@@ -16,16 +17,21 @@ def train_step(fn=None, *, model, optimizer, **options):
 
     ``optimizer`` is prepared once, with the keyword arguments of ``prepare`` found in
     ``options`` (``master_weight_bits``, ``state_bits``, ...); the rest are backend options.
+    With ``fp8="delayed"``, ``model`` gets its delayed-scaling state (``prepare_fp8``).
     Dynamo captures the forward (AOTAutograd derives the backward) and the optimizer step as one
     graph each: the prepared ``step`` is traced inline, between the graph breaks torch places
-    around every optimizer step.
+    around every optimizer step. With ``gradient_release=True`` the updates run in backward hooks
+    instead, each parameter's step compiled with the same backend options.
     """
     prepare_args = {k: options.pop(k) for k in _PREPARE_ARGS if k in options}
     if fn is None:
         return functools.partial(train_step, model=model, optimizer=optimizer, **prepare_args, **options)
     if optimizer not in roles.PREPARED:
-        prepare(model, optimizer, **prepare_args)
+        # The step runs with these options too where it is not traced inline (gradient release).
+        prepare(model, optimizer, compile_options=options, **prepare_args)
     elif prepare_args:
         raise ValueError(f"train_step: optimizer is already prepared; drop {sorted(prepare_args)}")
+    if options.get("fp8") == "delayed":
+        prepare_fp8(model, **options)
     compiled = compile_with_backend(fn, **options)
     return functools.wraps(fn)(compiled)

@@ -7,6 +7,7 @@ change what stored tensors mean. Aten-level passes run inside Inductor on the po
 from flash_inductor.pipeline import ATEN, TORCH, GraphPass
 
 from .companded_states import companded_states_pass
+from .fp8_collectives import fp8_collectives_pass
 from .fp8_linear import fp8_linear_pass
 from .split_weights import split_weights_pass
 
@@ -16,6 +17,7 @@ TORCH_PASSES = (
     GraphPass("companded_states", TORCH, companded_states_pass),
     GraphPass("split_weights", TORCH, split_weights_pass),
     GraphPass("fp8_linear", TORCH, fp8_linear_pass),
+    GraphPass("fp8_collectives", TORCH, fp8_collectives_pass),
 )
 ATEN_PASSES = ()
 ALL_PASSES = TORCH_PASSES + ATEN_PASSES

@@ -11,26 +11,35 @@ After::
     matmul = flash_inductor.fp8_linear.fp8_linear(x, head_weight, None)
 
 ``fp8_linear`` is an autograd function of plain ops (e4m3 forward, e5m2 gradients, per-tensor
-current scaling: ``flash_inductor/fp8_linear.py``); AOTAutograd traces its backward and Inductor
-fuses the amax and cast ops into their neighbours.
+scaling: ``flash_inductor/fp8_linear.py``); AOTAutograd traces its backward and Inductor fuses the
+amax and cast ops into their neighbours.
+
+With ``fp8="delayed"`` the layer's delayed-scaling buffers (``flash_inductor/fp8_delayed.py``)
+become inputs of the graph, bound once per weight::
+
+    fc1_weight_fp8_amax_history = placeholder        # f32[2, 16], looked up from fc1_weight at run time
+    ...                                              # _scale, _grad_amax_history, _grad_scale
+    linear = flash_inductor.fp8_linear.fp8_linear(x, fc1_weight, fc1_bias, power_of_two=False,
+        amax_history=fc1_weight_fp8_amax_history, scale=fc1_weight_fp8_scale,
+        grad_amax_history=fc1_weight_fp8_grad_amax_history, grad_scale=fc1_weight_fp8_grad_scale)
 
 A linear is eligible when its weight is a graph input (a parameter), both weight dims are
 multiples of 16 (``_scaled_mm``'s requirement), the weight has at least ``fp8_min_weight_numel``
 elements (smaller GEMMs do not pay for the casts), and its module name passes ``fp8_exclude``
 (fnmatch patterns, e.g. the first and last layers) and ``fp8_filter`` (a callable on the module
-name, like torchao's ``module_filter_fn``). Every linear's decision is recorded for inspection.
+name, like torchao's ``module_filter_fn``); with ``fp8="delayed"`` it must also have delayed-scaling
+state (else it stays bf16, with a warning that says how to add it). Every linear's decision is
+recorded for inspection.
 """
 
-import fnmatch
+import functools
 import operator
 
 import torch
 import torch.fx as fx
 
-from flash_inductor import graph_utils
-from flash_inductor.fp8_linear import fp8_linear
-
-_FP8_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from flash_inductor import fp8_delayed, graph_utils
+from flash_inductor.fp8_linear import fp8_linear, ineligible_reason
 
 
 def _as_linear(node):
@@ -57,21 +66,34 @@ def _decide(weight, name, options):
     if weight.op not in ("placeholder", "get_attr"):
         return "weight is computed in the graph, not a parameter"
     value = weight.meta.get("example_value")
-    if value is None or value.dim() != 2:
+    if value is None:
         return "weight is not a 2-D tensor"
-    if value.dtype not in _FP8_DTYPES:
-        return f"weight dtype {value.dtype}"
-    n, k = value.shape
-    if n % 16 or k % 16:
-        return f"weight {n}x{k}: FP8 GEMMs need both dims to be multiples of 16"
-    if n * k < options.fp8_min_weight_numel:
-        return f"weight {n}x{k} is under fp8_min_weight_numel={options.fp8_min_weight_numel}"
-    module = name.rpartition(".")[0]
-    if any(fnmatch.fnmatchcase(module, pattern) for pattern in options.fp8_exclude):
-        return f"excluded by fp8_exclude {list(options.fp8_exclude)}"
-    if options.fp8_filter is not None and not options.fp8_filter(module):
-        return "rejected by fp8_filter"
-    return None
+    return ineligible_reason(value, name.rpartition(".")[0], options)
+
+
+def _bind_delayed_state(gm, weight, name, ctx, bound):
+    """The keyword arguments of ``fp8_linear`` that pass ``weight``'s delayed-scaling buffers, as
+    placeholders added once per weight (``bound``: weight node -> kwargs)."""
+    if weight in bound:
+        return bound[weight]
+    state = fp8_delayed.state_of(ctx.inputs[weight.name], name)
+    length = state["amax_history"].shape[-1]
+    if length != ctx.options.fp8_history_length:
+        raise ValueError(
+            f"fp8='delayed': '{name}' was prepared with history length {length}, the options say "
+            f"fp8_history_length={ctx.options.fp8_history_length}; use one length"
+        )
+    index = [n for n in gm.graph.nodes if n.op == "placeholder"].index(weight) if weight.op == "placeholder" else None
+    kwargs = {}
+    for key, tensor in state.items():
+        # A parameter placeholder may be another module instance's on a later call (Dynamo shares
+        # the graph): look its state up from it each call. A get_attr weight is this one for good.
+        lookup = None if index is None else functools.partial(
+            fp8_delayed.look_up_at_run_time, index, key, (tensor.shape, tensor.dtype, tensor.device), name)
+        kwargs[key] = graph_utils.add_bound_placeholder(
+            gm.graph, graph_utils.python_name(fp8_delayed.buffer_name(name, key)), tensor, lookup)
+    bound[weight] = kwargs
+    return kwargs
 
 
 def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]:
@@ -85,19 +107,27 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
         weight = linear[1]
         name = graph_utils.input_name(weight) if isinstance(weight, fx.Node) else "?"
         reason = _decide(weight, name, ctx.options) if isinstance(weight, fx.Node) else "weight is not a tensor"
+        if reason is None and ctx.options.fp8 == "delayed" and fp8_delayed.state_of(ctx.inputs[weight.name], name) is None:
+            fp8_delayed.warn_missing_state(name)
+            reason = "no delayed-scaling state (flash_inductor.prepare_fp8 makes it)"
         if ctx.recorder:
-            ctx.recorder.decision("fp8_linear", name, "fp8 e4m3/e5m2" if reason is None else f"bf16: {reason}")
+            fp8_decision = "fp8 e4m3/e5m2" + (", delayed scaling" if ctx.options.fp8 == "delayed" else "")
+            ctx.recorder.decision("fp8_linear", name, fp8_decision if reason is None else f"bf16: {reason}")
         if reason is None:
             eligible.append((node.name, linear))
     if not eligible:
         return gm, []
     gm = graph_utils.copy_graph_module(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
+    bound = {}
     for name, _ in eligible:
         node = nodes[name]
         x, weight, bias = _as_linear(node)
+        kwargs = {"power_of_two": ctx.options.fp8_power_of_two_scales}
+        if ctx.options.fp8 == "delayed":
+            kwargs.update(_bind_delayed_state(gm, weight, graph_utils.input_name(weight), ctx, bound))
         with gm.graph.inserting_before(node):
-            replacement = gm.graph.call_function(fp8_linear, (x, weight, bias))
+            replacement = gm.graph.call_function(fp8_linear, (x, weight, bias), kwargs)
         node.replace_all_uses_with(replacement)
         transposed = node.args[1] if node.args[1] is not weight else None
         gm.graph.erase_node(node)

@@ -6,10 +6,9 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import flash_inductor
-from flash_inductor.demo import TinyGPT
+from flash_inductor.demo import TinyGPT, lm_train_step
 from flash_inductor.formats import fp8
 from helpers import EAGER
 
@@ -98,14 +97,7 @@ def _train(fp8_option, steps):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     options = {"fp8": fp8_option, "fp8_min_weight_numel": 0, "fp8_exclude": ["head"]} if fp8_option else {}
 
-    @flash_inductor.train_step(model=model, optimizer=opt, **options)
-    def step(x, y):
-        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = lm_train_step(model, opt, **options)
     text = torch.tensor(list(b"the quick brown fox jumps over the lazy dog; " * 40))
     gen = torch.Generator().manual_seed(1)
     losses = []

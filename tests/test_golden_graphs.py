@@ -20,7 +20,10 @@ def rewritten_code(make_optimizer, stage):
     model(torch.randn(2, 8, dtype=torch.bfloat16)).sum().backward()
     report = flash_inductor.inspect(flash_inductor.compile(opt.step, compiler="eager"))
     graph = report.graph("optimizer step")
-    code = next(s.code for s in graph.stages if s.name == stage)
+    return without_comments(next(s.code for s in graph.stages if s.name == stage))
+
+
+def without_comments(code):
     # Comments carry source paths and line numbers of the installed torch; the code is what matters.
     return "\n".join(line.rstrip() for line in code.splitlines() if line.strip() and not line.strip().startswith("#"))
 
@@ -94,3 +97,16 @@ class GraphModule(torch.nn.Module):
         captured = rewritten_code(lambda ps: SGDW(ps, lr=0.1, momentum=0.9), "captured")
         self.assertNotIn("decode", captured)
         self.assertIn("p.sub_", captured)
+
+    def test_fp8_linear_with_delayed_scaling(self):
+        """The layer's delayed-scaling buffers become inputs of the forward graph."""
+        options = {"compiler": "eager", "fp8": "delayed", "fp8_min_weight_numel": 0, "fp8_history_length": 4}
+        report = flash_inductor.inspect(flash_inductor.compile(nn.Linear(32, 16, bias=False), **options), torch.randn(4, 32))
+        code = next(s.code for s in report.graph("model").stages if s.name == "fp8_linear")
+        self.assertExpectedInline(without_comments(code), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_fn_parameters_weight_: "f32[16, 32]cpu", L_args_0_: "f32[4, 32]cpu", weight_fp8_amax_history: "f32[2, 4]cpu", weight_fp8_scale: "f32[2]cpu", weight_fp8_grad_amax_history: "f32[1, 4]cpu", weight_fp8_grad_scale: "f32[1]cpu"):
+        l_fn_parameters_weight_ = L_fn_parameters_weight_
+        l_args_0_ = L_args_0_
+        fp8_linear: "f32[4, 16]cpu" = flash_inductor_fp8_linear_fp8_linear(l_args_0_, l_fn_parameters_weight_, None, power_of_two = False, amax_history = weight_fp8_amax_history, scale = weight_fp8_scale, grad_amax_history = weight_fp8_grad_amax_history, grad_scale = weight_fp8_grad_scale);  l_args_0_ = l_fn_parameters_weight_ = weight_fp8_amax_history = weight_fp8_scale = weight_fp8_grad_amax_history = weight_fp8_grad_scale = None
+        return (fp8_linear,)""")

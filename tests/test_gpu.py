@@ -9,46 +9,79 @@ from flash_inductor import roles
 from helpers import stored_bits
 
 pytestmark = pytest.mark.gpu
+LR, WEIGHT_DECAY = 1e-3, 0.1
 
 
 def _prepared(compiler, foreach=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=foreach)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=foreach)
     flash_inductor.prepare(model, opt, compile_options={"compiler": compiler})
     return model, opt
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="seen on the H200 (torch 2.11, 2026-11-29): after one AdamW step some bf16 parameters differ from the "
-    "op-by-op CUDA run of the same rewritten graph by up to 2e-4 (more than one bf16 ulp); cause not found yet. "
-    "On CPU the Inductor and op-by-op runs agree bit for bit (tests/test_optimizer_numerics.py).",
-)
+def _stock_adamw_step(masters, grads, backend):
+    """One step of stock fp32 ``torch.optim.AdamW`` (same hyperparameters) from the decoded masters,
+    compiled as the flashoptim step is: traced by Dynamo, torch computes the bias corrections from
+    the step tensor in fp32 (not in Python floats). On the H200 (2026-12-01) the Triton step was
+    3e-5 (relative to the update) off stock AdamW traced and run eagerly: the size of one fp32 ulp
+    in ``beta2 ** step`` (Inductor's Triton ``pow`` is libdevice's, within 2 ulp) after the
+    cancellation in ``1 - beta2 ** step``. So the Triton step is compared with stock AdamW compiled
+    by Inductor, which computes the bias corrections with the same ``pow``."""
+    params = {name: nn.Parameter(value.clone()) for name, value in masters.items()}
+    for name, p in params.items():
+        p.grad = grads[name].float()
+    opt = torch.optim.AdamW(params.values(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
+    torch.compile(opt.step, backend=backend)()
+    return {name: p.detach() for name, p in params.items()}
+
+
+def _tolerance(before, after_hi):
+    """One error-term code step of the new master (half a bf16 ulp / 127), plus a few fp32 roundings
+    of the step's operands (|master| and lr), where the fp32 update arithmetic may legitimately
+    differ (operation order, FMA contraction)."""
+    bf16 = torch.finfo(torch.bfloat16)
+    code_step = bf16.eps * after_hi.double().abs().clamp(min=bf16.tiny) / 2 / 127
+    return code_step + 4 * torch.finfo(torch.float32).eps * (before.double().abs() + LR)
+
+
 @pytest.mark.parametrize("foreach", [False, True])
-def test_triton_step_matches_eager_rewrite_and_keeps_error_terms(foreach):
-    """One step from the same state: the Triton kernels and the op-by-op rewritten graph agree up
-    to one rounding step (FMA contraction may differ)."""
+def test_triton_step_matches_stock_adamw_and_eager_rewrite(foreach):
+    """One AdamW step from the same state. The masters the Triton kernels store (bf16 + error term,
+    decoded) equal stock fp32 AdamW's step, compiled by Inductor, from the same masters within one
+    error-term code step (plus fp32 operation-order rounding); the op-by-op CUDA run of the same
+    rewritten graph equals stock AdamW traced by Dynamo and run eagerly the same way; the two runs'
+    8-bit state codes agree within one."""
     triton_model, triton_opt = _prepared("inductor", foreach)
     eager_model, eager_opt = _prepared("eager", foreach)
-    grads = [torch.randn_like(p) * 1e-2 for p in triton_model.parameters()]
+    masters_before = flash_inductor.master_state_dict(triton_model, triton_opt)
+    grads = {name: torch.randn_like(p) * 1e-2 for name, p in triton_model.named_parameters()}
     for model, opt in ((triton_model, triton_opt), (eager_model, eager_opt)):
-        for p, g in zip(model.parameters(), grads):
-            p.grad = g.clone()
+        for name, p in model.named_parameters():
+            p.grad = grads[name].clone()
         opt.step()
-    grad_of = {name: g for (name, _), g in zip(triton_model.named_parameters(), grads)}
+    references = {"triton": _stock_adamw_step(masters_before, grads, "inductor"),
+                  "eager": _stock_adamw_step(masters_before, grads, "eager")}
+    params = dict(triton_model.named_parameters())
+    for label, model, opt in (("triton", triton_model, triton_opt), ("eager", eager_model, eager_opt)):
+        reference = references[label]
+        for name, master in flash_inductor.master_state_dict(model, opt).items():
+            tol = _tolerance(masters_before[name], params[name].detach())
+            err = (master.double() - reference[name].double()).abs() / tol
+            worst = int(err.argmax())
+            # Say enough to diagnose from the log alone.
+            assert err.max() <= 1.0, (
+                f"{label} {name}: {int((err > 1).sum())} of {err.numel()} masters are off stock fp32 AdamW by more than "
+                f"the tolerance; worst {err.max().item():.2f}x at {worst}: before {masters_before[name].flatten()[worst].item()!r} "
+                f"grad {grads[name].flatten()[worst].item()!r} got {master.flatten()[worst].item()!r} "
+                f"reference {reference[name].flatten()[worst].item()!r}")
     eager = stored_bits(eager_model, eager_opt)
     for key, a in stored_bits(triton_model, triton_opt).items():
-        b = eager[key]
-        if a.is_floating_point():  # bf16 params, fp16 scales: at most one ulp apart
-            ulp = torch.finfo(a.dtype).eps * b.float().abs().clamp(min=torch.finfo(a.dtype).tiny)
-            bad = ((a.float() - b.float()).abs() > ulp).nonzero()
-            # Say enough to diagnose from the log alone: where, the two values, the gradient there.
-            details = [(tuple(i.tolist()), a[tuple(i)].item(), b[tuple(i)].item(),
-                        grad_of[key][tuple(i)].item() if key in grad_of else None) for i in bad[:5]]
-            assert len(bad) == 0, f"{key}: {len(bad)} of {a.numel()} differ; (index, triton, eager, grad): {details}"
-        else:  # error terms and codes: at most one code apart
-            assert (a.int() - b.int()).abs().max() <= 1, key
+        # 8-bit state codes: at most one code apart. (Error terms are compared through the decoded
+        # masters above: a master at a bf16 rounding midpoint is (hi, +127) one way, (hi + ulp, -127)
+        # the other.)
+        if not a.is_floating_point() and not key.endswith(".error"):
+            assert (a.int() - eager[key].int()).abs().max() <= 1, key
     errors = torch.cat([roles.PREPARED[triton_opt].error_term(p).flatten() for p in triton_model.parameters()])
     assert errors.ne(0).float().mean() > 0.9  # the bf16 rounding survived fusion into the Triton kernel
 

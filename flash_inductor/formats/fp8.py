@@ -29,16 +29,21 @@ excess is below 2**-24 relative and the clamp absorbs it).
 Delayed scaling (Transformer Engine's recipe, window ``HISTORY_LENGTH = 16``): the scale used to cast
 step t's tensor comes from the amaxes of the previous steps, and step t's amax is recorded afterwards:
 
-    scale_t   = scale_from_history(history, dtype, scale_{t-1})     = scale of max(history)
+    scale_t   = scale_from_history(history, dtype, scale_{t-1}, current_amax=amax(x_t))
+              = scale of max(history), or of amax(x_t) while the history is all zero
     x8_t      = cast_to_fp8(x_t, scale_t, dtype)                     (values above the window saturate)
     history'  = update_amax_history(history, amax(x_t))             = [amax_t, history[:-1]]
 
-A fresh history is all zeros, so the first step keeps the initial scale (start from 1.0).
+A fresh history is all zeros (nothing recorded yet): that step uses its own amax, as torchao initialises
+its history from the first tensor, rather than an arbitrary initial scale (with 1.0, e5m2 holds a
+gradient of 1e-5 as its smallest subnormal, 2**-16, and flushes smaller ones to zero). Without
+``current_amax`` it keeps ``previous_scale``.
 
 FP8 collectives (§2.5): all ranks use the scale of the all-reduced MAX of their amaxes. Because fp32
 division and the power-of-two rounding are monotone, ``scale_from_amax(max_r amax_r)`` equals
-``min_r scale_from_amax(amax_r)`` exactly, so reducing either gives the same bits. ``overflow_fraction``
-measures how much of a tensor (e.g. the reduced sum) a scale would saturate, for the ``mu`` auto-scaling.
+``min_r scale_from_amax(amax_r)`` exactly, so reducing either gives the same bits. ``overflow_count`` / ``overflow_fraction``
+measure how much of a tensor (e.g. the reduced sum) a scale would saturate, for the ``mu`` auto-scaling
+(``formats/fp8_collective.py``).
 
 Edge cases:
 - amax 0 (an all-zero tensor) or not finite (inf or nan anywhere in x): with ``previous_scale`` the
@@ -134,19 +139,27 @@ def update_amax_history(history, new_amax):
     return torch.cat([new_amax.reshape(1).to(history.dtype), history[:-1]])
 
 
-def scale_from_history(history, dtype, previous_scale, power_of_two=False):
+def scale_from_history(history, dtype, previous_scale, power_of_two=False, current_amax=None):
     """The delayed scale: ``scale_from_amax(max(history), ...)``.
 
     A non-finite amax in the window makes the window max non-finite, so the previous scale is kept
-    until that entry leaves the window (L steps), as in Transformer Engine.
+    until that entry leaves the window (L steps), as in Transformer Engine. ``current_amax``: used
+    instead of the window max while the history is all zero (nothing recorded yet).
     """
-    return scale_from_amax(history.amax(), dtype, previous_scale, power_of_two)
+    window = history.amax()
+    if current_amax is not None:
+        window = torch.where(window == 0, current_amax.to(window.dtype), window)
+    return scale_from_amax(window, dtype, previous_scale, power_of_two)
+
+
+def overflow_count(x, scale, dtype):
+    """How many elements have ``|x * scale| > fp8_max`` (int64; fp32 product; inf counts, nan does not)."""
+    return torch.count_nonzero((x.to(torch.float32) * scale).abs() > max_value(dtype))
 
 
 def overflow_fraction(x, scale, dtype):
-    """The fraction of elements with ``|x * scale| > fp8_max`` (fp32 product; inf counts, nan does not)."""
-    over = (x.to(torch.float32) * scale).abs() > max_value(dtype)
-    return torch.count_nonzero(over).to(torch.float32) / x.numel()
+    """The fraction of elements with ``|x * scale| > fp8_max`` (see ``overflow_count``)."""
+    return overflow_count(x, scale, dtype).to(torch.float32) / x.numel()
 
 
 def sqnr_db(reference, approx):

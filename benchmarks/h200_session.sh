@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The H200 runs behind docs/benchmarks.md, by stage: bash benchmarks/h200_session.sh STAGE [OUT]
+# Peers (torchao, flashoptim) are installed from wheels in .whl/ when present (see docs/benchmarks.md).
+#   tests      GPU tests, Triton code of a train step, optimizer-step benchmark (both parameter lists)
+#   fp8        FP8 linear / transformer-block benchmark against bf16 and torchao
+#   train124m  GPT 124M, 1000 steps: fp32 baseline, flashoptim, flashoptim + FP8, bf16 params
+#   peers1b    GPT 124M peers (FlashOptim package, torchao AdamW8bit); GPT 1.2B memory and step time
+set -uo pipefail
+stage=$1
+out=${2:-${OUT:-benchmarks/results}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1 || python -m pip install -q --no-build-isolation --no-deps -e .
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+case $stage in
+  tests)
+    timeout 240 python -m pytest -q -m gpu tests 2>&1 | tee "$out/gpu_tests_h200.log"
+    timeout 120 python benchmarks/gpu_check.py /tmp/inspect 2>&1 | tee "$out/gpu_check_h200.log"
+    cp /tmp/inspect/optimizer_step_triton.py "$out/adamw_step_triton_h200.py.txt"
+    timeout 420 python benchmarks/optimizer_step.py --out "$out/optimizer_step_h200.json" 2>&1 | tee "$out/optimizer_step_h200.log"
+    ;;
+  fp8)
+    timeout 560 python benchmarks/fp8_linear.py --out "$out/fp8_linear_h200.json" 2>&1 | tee "$out/fp8_linear_h200.log"
+    ;;
+  train124m)
+    timeout 570 python benchmarks/train_gpt.py --config 124m --steps 1000 --eval-every 100 \
+      --configs fp32_fused_autocast,flashoptim,flashoptim_fp8,bf16_adamw \
+      --out "$out/train_gpt_124m_h200.json" --plot "$out" 2>&1 | tee "$out/train_gpt_124m_h200.log"
+    ;;
+  peers1b)
+    timeout 250 python benchmarks/train_gpt.py --config 124m --steps 1000 --eval-every 100 \
+      --configs flashoptim_pypi,torchao_adamw8bit \
+      --out "$out/train_gpt_124m_peers_h200.json" 2>&1 | tee "$out/train_gpt_124m_peers_h200.log"
+    timeout 320 python benchmarks/train_gpt.py --config 1b --steps 20 --warmup 8 --eval-every 20 --eval-batches 2 \
+      --configs fp32_fused_autocast,flashoptim \
+      --out "$out/train_gpt_1b_h200.json" 2>&1 | tee "$out/train_gpt_1b_h200.log"
+    ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+esac
