@@ -55,7 +55,7 @@ def check_model(model):
     from flash_inductor import sharded
 
     if model is not None and any(sharded.is_sharded(p) for p in model.parameters()):
-        raise NotImplementedError(
+        raise ValueError(
             f"{OPTION} with FSDP2 (fully_shard) is not supported yet: each hook would have to update the "
             "local shard; use gradient_release=False with FSDP2"
         )

@@ -56,9 +56,7 @@ def _prepared(model_cls=Net, seed=0, fsdp=False, **prepare_kw):
     torch.manual_seed(seed)
     model = model_cls()
     if fsdp:
-        # FSDP2 wants one dtype per fully_shard group: Net's norm layer stays fp32, its linears become bf16.
-        for module in [*model.children(), model]:
-            fully_shard(module)
+        _shard_each_layer(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     flash_inductor.prepare(model, opt, compile_options=EAGER, **prepare_kw)
     return model, opt
@@ -379,8 +377,7 @@ def test_one_rank_fsdp_steps_exactly_like_the_unsharded_optimizer(one_rank, name
         torch.manual_seed(0)
         model = Net()
         if fsdp:
-            for module in [*model.children(), model]:
-                fully_shard(module)
+            _shard_each_layer(model)
         opt = opt_cls(model.parameters(), **kw)
         flash_inductor.prepare(model, opt, compile_options=EAGER)
         for x, y in _batches():
@@ -400,29 +397,36 @@ def test_one_rank_fsdp_steps_exactly_like_the_unsharded_optimizer(one_rank, name
     assert any(k.endswith(".error") and sharded[k].any() for k in sharded)  # the masters really were split
 
 
-def _shard_each_layer_then_run_a_forward(model):
+def _shard_each_layer(model):
+    """FSDP2 wants one dtype per fully_shard group: Net's norm layer stays fp32, its linears become bf16."""
     for module in [*model.children(), model]:
         fully_shard(module)
+
+
+def _shard_each_layer_then_run_a_forward(model):
+    _shard_each_layer(model)
     model(torch.randn(2, 128))
 
 
-# setup of a Net -> what the error must say
+# setup of a Net -> (prepare's keyword arguments, what the error must say)
 REFUSED_FSDP_SETUPS = {
-    "one_fully_shard_would_mix_dtypes": (fully_shard, [r"fully_shard\('<root>'\)", r"norm\.weight", "separately"]),
-    "after_the_first_forward": (_shard_each_layer_then_run_a_forward, ["after fully_shard and before the first forward"]),
+    "one_fully_shard_would_mix_dtypes": (fully_shard, {}, [r"fully_shard\('<root>'\)", r"norm\.weight", "separately"]),
+    "after_the_first_forward": (_shard_each_layer_then_run_a_forward, {},
+                                ["after fully_shard and before the first forward"]),
+    "gradient_release": (_shard_each_layer, {"gradient_release": True}, [r"gradient_release=True\) with FSDP2"]),
 }
 
 
 @pytest.mark.parametrize("setup", list(REFUSED_FSDP_SETUPS))
 def test_prepare_refuses_what_fsdp_cannot_train_and_changes_nothing(one_rank, setup):
-    shard, messages = REFUSED_FSDP_SETUPS[setup]
+    shard, kwargs, messages = REFUSED_FSDP_SETUPS[setup]
     torch.manual_seed(0)
     model = Net()
     shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError) as error:
-        flash_inductor.prepare(model, opt)
+        flash_inductor.prepare(model, opt, **kwargs)
     for message in messages:
         assert re.search(message, str(error.value)), message
     assert opt not in roles.PREPARED and not opt.state
