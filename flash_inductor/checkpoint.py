@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from flash_inductor import roles
+from flash_inductor import roles, sharded
 from flash_inductor.formats import companded, split_weights
 from flash_inductor.formats.state_tensor import CompandedState, StateTensor
 from flash_inductor.prepare import init_state, make_lr_tensor, new_state
@@ -52,10 +52,15 @@ def _state_dict_post_hook(optimizer, state_dict):
             continue
         entries = dict(state_dict["state"].get(index, {}))
         for key, value in entries.items():
-            if isinstance(value, CompandedState) and record.compressed_state_dict:
-                entries[key] = {"codes": value.codes.clone(), "scales": value.scales.clone(), "kind": value.kind}
-            elif isinstance(value, StateTensor):
-                entries[key] = value.decode().clone()
+            stored = sharded.local(value)  # states of a sharded parameter are DTensors of local states
+            if isinstance(stored, CompandedState) and record.compressed_state_dict:
+                entries[key] = {
+                    "codes": sharded.groups_like(value, stored.codes.clone(), _name(record, param)),
+                    "scales": sharded.groups_like(value, stored.scales.clone(), _name(record, param)),
+                    "kind": stored.kind,
+                }
+            elif isinstance(stored, StateTensor):
+                entries[key] = sharded.like(value, stored.decode().clone())
         error = record.error_term(param)
         if error is not None:
             entries[ERROR_TERM_KEY] = error.clone()
@@ -140,41 +145,50 @@ def _restore_error_term(record, param, saved):
 
 
 def _restore_state(saved, param, record, kind):
+    """The stored state of ``param`` from a saved entry. For a sharded parameter, everything is
+    restored per local shard (the saved DTensors hold this rank's shard)."""
     name = _name(record, param)
+    shard = sharded.local(param)
     if isinstance(saved, dict):  # compressed form
-        groups = companded.num_groups(param.numel())
-        codes, scales = saved["codes"], saved["scales"]
+        groups = companded.num_groups(shard.numel())
+        codes, scales = sharded.local(saved["codes"]), sharded.local(saved["scales"])
         if saved.get("kind") != kind or codes.numel() != groups * companded.GROUP_SIZE or scales.numel() != groups:
             raise ValueError(
                 f"load_state_dict: compressed state of parameter '{name}' (kind {saved.get('kind')!r}, "
                 f"{codes.numel()} codes, {scales.numel()} scales) does not fit a {kind!r} state of shape "
-                f"{list(param.shape)} ({groups * companded.GROUP_SIZE} codes, {groups} scales)"
+                f"{list(shard.shape)} ({groups * companded.GROUP_SIZE} codes, {groups} scales)"
             )
         state = CompandedState(
-            codes.to(param.device, companded.CODE_DTYPES[kind]).reshape(groups, companded.GROUP_SIZE).clone(),
-            scales.to(param.device, torch.float16).clone(),
-            kind, shape=param.shape, dtype=param.dtype,
+            codes.to(shard.device, companded.CODE_DTYPES[kind]).reshape(groups, companded.GROUP_SIZE).clone(),
+            scales.to(shard.device, torch.float16).clone(),
+            kind, shape=shard.shape, dtype=shard.dtype,
         )
-        if isinstance(new_state(record, param, kind), CompandedState):
-            return state
+        if isinstance(sharded.local(new_state(record, param, kind)), CompandedState):
+            return sharded.like(param, state)
         saved = state.decode()
+    saved = sharded.local(saved)
     if isinstance(saved, StateTensor):
         saved = saved.decode()
-    if not isinstance(saved, torch.Tensor) or saved.numel() != param.numel():
+    if not isinstance(saved, torch.Tensor) or saved.numel() != shard.numel():
         shape = list(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
-        raise ValueError(f"load_state_dict: saved state of parameter '{name}' is {shape}, the parameter {list(param.shape)}")
-    return new_state(record, param, kind, saved.float().reshape(param.shape))
+        raise ValueError(f"load_state_dict: saved state of parameter '{name}' is {shape}, the parameter {list(shard.shape)}")
+    return new_state(record, param, kind, saved.float().reshape(shard.shape))
 
 
 def master_state_dict(model, optimizer):
-    """{parameter name: fp32 master value} (decoded split weights; fp32 parameters as they are)."""
+    """{parameter name: fp32 master value} (decoded split weights; fp32 parameters as they are).
+    Of a sharded (FSDP2) parameter: a DTensor like it."""
     record = roles.PREPARED[optimizer]
     names = {p: n for n, p in model.named_parameters()}
     out = {}
     for p in record.params():
         error = record.error_term(p)
         name = names.get(p, record.param_names.get(p))
-        out[name] = split_weights.decode(p.detach(), error) if error is not None else p.detach().float().clone()
+        if error is None:
+            out[name] = p.detach().float().clone()
+        else:
+            # Decoded per local shard: DTensor's rules garble the bf16 -> int16 view the decode reads.
+            out[name] = sharded.like(p, split_weights.decode(sharded.local(p.detach()), sharded.local(error)))
     return out
 
 
@@ -182,7 +196,9 @@ def master_state_dict(model, optimizer):
 def load_master_state_dict(model, optimizer, masters):
     """Set parameters from fp32 masters: bf16 values plus recomputed error terms.
 
-    Every entry is checked (name and shape) before any parameter is written.
+    Every entry is checked (name and shape) before any parameter is written. A sharded (FSDP2)
+    parameter takes a DTensor (as ``master_state_dict`` gives) or the whole value, of which each
+    rank keeps its shard.
     """
     record = roles.PREPARED[optimizer]
     params = dict(model.named_parameters())
@@ -195,7 +211,8 @@ def load_master_state_dict(model, optimizer, masters):
     for name, value in masters.items():
         p = params[name]
         error = record.error_term(p)
+        shard, value = sharded.local(p.detach()), sharded.local(sharded.shard_like(p, value))
         if error is not None:
-            split_weights.store(p, error, value.to(p.device, torch.float32))
+            split_weights.store(shard, sharded.local(error), value.to(shard.device, torch.float32))
         else:
-            p.copy_(value.to(p.device, p.dtype))
+            shard.copy_(value.to(shard.device, shard.dtype))

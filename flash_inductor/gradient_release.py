@@ -52,6 +52,13 @@ def check_model(model):
             "local gradient before DDP all-reduces it; use gradient_release=False with DDP, or shard the model "
             "with FSDP2 (fully_shard)"
         )
+    from flash_inductor import sharded
+
+    if model is not None and any(sharded.is_sharded(p) for p in model.parameters()):
+        raise ValueError(
+            f"{OPTION} with FSDP2 (fully_shard) is not supported yet: each hook would have to update the "
+            "local shard; use gradient_release=False with FSDP2"
+        )
 
 
 class SingleParameterStep:

@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from flash_inductor import roles
+from flash_inductor import roles, sharded
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State
 
 
@@ -31,6 +31,7 @@ class MemoryReport:
 
 
 def _nbytes(t):
+    t = sharded.local(t)  # this rank's shard of a sharded (FSDP2) tensor
     return t.numel() * t.element_size()
 
 
@@ -41,7 +42,7 @@ def memory_report(model, optimizer):
     ``zero_grad``), what they will take: one gradient of each parameter's dtype, for parameters
     that require one; with gradient release, where each gradient is freed as soon as its
     parameter is updated, the largest one. ``model`` may be None; when given, it must own the
-    optimizer's parameters.
+    optimizer's parameters. Of an FSDP2-sharded model: this rank's shards (bytes and parameter count).
     """
     record = roles.PREPARED.get(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -63,6 +64,7 @@ def memory_report(model, optimizer):
         if record is not None and record.error_term(p) is not None:
             sizes["error_terms"] += _nbytes(record.error_term(p))
         for key, value in optimizer.state.get(p, {}).items():
+            value = sharded.local(value)
             if isinstance(value, CompandedState):
                 sizes["states"] += _nbytes(value.codes)
                 sizes["state_scales"] += _nbytes(value.scales)
@@ -70,4 +72,4 @@ def memory_report(model, optimizer):
                 sizes["states"] += _nbytes(value.values)
             elif isinstance(value, torch.Tensor) and key != "step":
                 sizes["states"] += _nbytes(value)
-    return MemoryReport(type(optimizer).__name__, sum(p.numel() for p in params), sizes)
+    return MemoryReport(type(optimizer).__name__, sum(sharded.local(p).numel() for p in params), sizes)

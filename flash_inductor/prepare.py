@@ -12,7 +12,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from flash_inductor import fp8_delayed, roles
+from flash_inductor import fp8_delayed, roles, sharded
 from flash_inductor.formats import companded, split_weights
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State, StateTensor
 
@@ -144,6 +144,10 @@ def prepare(
     from flash_inductor.options import Options
 
     Options.from_dict(compile_options)
+    if isinstance(keep_fp32, str):
+        keep_fp32 = (keep_fp32,)
+    sharded.check_fsdp_not_started(model)
+    sharded.check_fsdp_groups_keep_one_dtype(model, lambda name, module: _keeps_fp32(name, module, keep_fp32))
     if gradient_release not in (True, False):
         raise ValueError(f"gradient_release must be True or False, got {gradient_release!r}")
     if gradient_release:
@@ -167,15 +171,18 @@ def prepare(
             record.param_names[p] = names[p]
             master = masters.pop(p, p.detach())  # dropped once encoded: peak memory stays low
             if lo_dtype is not None and p.dtype in (torch.bfloat16, torch.float16):
-                hi, lo = split_weights.encode(master.float(), p.dtype, lo_dtype)
-                p.data.copy_(hi)
-                record.error_terms[p] = lo
+                # Per local shard for a sharded (DTensor) parameter: see flash_inductor/sharded.py.
+                hi, lo = split_weights.encode(sharded.local(master).float(), p.dtype, lo_dtype)
+                sharded.local(p.detach()).copy_(hi)
+                record.error_terms[p] = sharded.like(p, lo)
             init_state(optimizer, record, group, p)
     roles.PREPARED[optimizer] = record
     if gradient_release:
         record.gradient_release = release.GradientRelease.install(optimizer, record, compile_options or {})
+    elif any(sharded.is_sharded(p) for p in record.params()):
+        sharded.route_step_through_local_optimizer(optimizer, record, compile_options or {})
     else:
-        _route_step_through_backend(optimizer, compile_options or {})
+        route_step_through_backend(optimizer, compile_options or {})
     from flash_inductor import checkpoint
 
     checkpoint.install_hooks(optimizer)
@@ -227,8 +234,6 @@ def _convert_model(model, keep_fp32):
     """Cast fp32 parameters and buffers (except FP8 delayed-scaling state) to bf16 in place (same
     Parameter objects); return the original fp32 values of the cast parameters, which become their
     masters."""
-    if isinstance(keep_fp32, str):
-        keep_fp32 = (keep_fp32,)
     masters = {}
     kept = []
     for name, module in model.named_modules():
@@ -237,7 +242,9 @@ def _convert_model(model, keep_fp32):
                 kept.append(module)
             continue
         for p in module.parameters(recurse=False):
-            if p.dtype == torch.float32:
+            if p.dtype == torch.float32 and sharded.is_sharded(p):
+                masters[p] = sharded.cast_parameter(p, torch.bfloat16)
+            elif p.dtype == torch.float32:
                 masters[p] = p.data  # the fp32 storage itself: p.data is replaced, not written
                 p.data = p.data.to(torch.bfloat16)
         for bname, b in module.named_buffers(recurse=False):
@@ -289,22 +296,27 @@ def init_state(optimizer, record, group, p):
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if on_device else "cpu")
     for key, kind in layout.quantized.items():
         existing = state.get(key)
-        if not isinstance(existing, StateTensor):
+        if not isinstance(sharded.local(existing), StateTensor):
             state[key] = new_state(record, p, kind, None if existing is None else existing.float())
 
 
 def new_state(record, param, kind, value=None):
-    """The stored form of one optimizer state of ``param`` (zeros when ``value`` is None)."""
-    if record.state_bits == 8 and param.numel() >= record.min_quantized_numel:
-        if value is None:
-            return CompandedState.zeros(param, kind)
-        return CompandedState.encode(value.to(param.device), kind, param.dtype)
-    if value is None:
-        return Fp32State.zeros(param)
-    return Fp32State.encode(value.to(param.device), param.dtype)
+    """The stored form of one optimizer state of ``param`` (zeros when ``value`` is None).
+
+    For a sharded parameter: the local shard's state as a DTensor like ``param``; whether it is
+    quantized depends on the whole parameter's size, as without sharding."""
+    quantize = record.state_bits == 8 and param.numel() >= record.min_quantized_numel
+    shard, value = sharded.local(param), sharded.local(value)
+    if value is not None:
+        value = value.to(shard.device)
+    if quantize:
+        state = CompandedState.zeros(shard, kind) if value is None else CompandedState.encode(value, kind, shard.dtype)
+    else:
+        state = Fp32State.zeros(shard) if value is None else Fp32State.encode(value, shard.dtype)
+    return sharded.like(param, state)
 
 
-def _route_step_through_backend(optimizer, compile_options):
+def route_step_through_backend(optimizer, compile_options):
     """Replace ``optimizer.step`` (a bound method, so LR schedulers can wrap it) by one that runs
     the original step through the ``flashoptim`` backend, or traces it inline when already
     compiling."""

@@ -3,6 +3,7 @@
 import math
 
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 # Run prepared optimizers' steps through the rewritten graph without Inductor: the same passes,
 # no 15-35 s kernel compile per test.
@@ -27,16 +28,21 @@ class Net(nn.Module):
 
 def stored_bits(model, opt):
     """Every stored tensor of the training state, by name: parameters, error terms, and each
-    optimizer state in its stored form (codes and scales, fp32 values, step counters)."""
+    optimizer state in its stored form (codes and scales, fp32 values, step counters). Of sharded
+    (DTensor) parameters: this rank's shards."""
     from flash_inductor import roles
+
+    def shard(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
 
     record = roles.PREPARED.get(opt)
     out = {}
     for name, p in model.named_parameters():
-        out[name] = p.detach().clone()
+        out[name] = shard(p.detach()).clone()
         if record is not None and record.error_term(p) is not None:
-            out[name + ".error"] = record.error_term(p).clone()
+            out[name + ".error"] = shard(record.error_term(p)).clone()
         for key, value in opt.state.get(p, {}).items():
+            value = shard(value)
             if hasattr(value, "__tensor_flatten__"):
                 for inner in value.__tensor_flatten__()[0]:
                     out[f"{name}.{key}.{inner}"] = getattr(value, inner).clone()

@@ -49,7 +49,8 @@ class StateTensor(torch.Tensor):
         kwargs = kwargs or {}
         aten = torch.ops.aten
         first = args[0] if args else None
-        if func is aten.detach.default:
+        if func is aten.detach.default or (func is aten.view.default and tuple(args[1]) == tuple(first.shape)):
+            # Aliases of the whole state share its storage (DTensor.from_local wraps such a view).
             return first._rebuild(lambda t: t)
         if func is aten.copy_.default and type(args[1]) is type(first) and first._meta() == args[1]._meta():
             for k in first._inner:

@@ -1,0 +1,218 @@
+"""Prepared optimizers over FSDP2-sharded parameters (``fully_shard``: DTensor parameters).
+
+FSDP2 keeps each parameter as a DTensor sharded on one dimension: a rank holds one shard (the
+DTensor's local tensor) and, after the backward, that shard of the gradient. Every supported
+optimizer is elementwise, so a rank's shard is updated from its gradient shard alone, and
+everything ``prepare`` adds is kept per local shard:
+
+- the parameter's local tensor becomes bf16, so FSDP2 all-gathers (and reduce-scatters) bf16;
+- its error term and 8-bit states are encoded from the local shard (groups of 32 of the local
+  tensor, flattened) and shown to the user's optimizer as DTensors with the parameter's
+  placements (``opt.state[p]["exp_avg"]`` wraps a ``CompandedState``), so state dicts and
+  ``torch.distributed.checkpoint`` see sharded tensors;
+- the step runs a *local optimizer*: the same class and hyperparameters over the local tensors,
+  with the local states and error terms, compiled through the backend exactly as for an unsharded
+  model. The passes never see a DTensor.
+"""
+
+import dataclasses
+import types
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from flash_inductor import roles
+from flash_inductor.formats import companded
+
+
+def is_sharded(t):
+    return isinstance(t, DTensor)
+
+
+def local(t):
+    """The rank's shard of a DTensor (the tensor object itself, which FSDP2 updates in place and
+    the local optimizer is keyed by); any other value as it is."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def like(ref, t):
+    """``t``, a local shard shaped like ``ref``'s, as a DTensor with ``ref``'s placements (``t``
+    itself when ``ref`` is not a DTensor)."""
+    if not isinstance(ref, DTensor):
+        return t
+    return DTensor.from_local(t, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride())
+
+
+def shard_like(ref, value):
+    """``value`` (a whole tensor, or a DTensor) with ``ref``'s sharding, when ``ref`` is a
+    DTensor; a whole tensor is cut locally on each rank (no communication)."""
+    if not isinstance(ref, DTensor):
+        return value
+    if isinstance(value, DTensor):
+        return value.redistribute(ref.device_mesh, ref.placements)
+    return distribute_tensor(value, ref.device_mesh, ref.placements, src_data_rank=None)
+
+
+def check_fsdp_not_started(model):
+    """``prepare`` casts parameters to bf16; FSDP2 adopts new local tensors (and their dtype) only
+    in its lazy initialisation, at the first forward. After it, it would keep all-gathering the
+    old fp32 shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in model.named_modules():
+        # FSDPState._is_root stays None until the lazy initialisation (all FSDP2 releases so far).
+        if isinstance(module, FSDPModule) and module._get_fsdp_state()._is_root is not None:
+            raise ValueError(
+                f"flash_inductor.prepare: the fully_shard-ed module '{name or type(module).__name__}' already ran a "
+                "forward; call prepare(model, optimizer) after fully_shard and before the first forward"
+            )
+
+
+def check_fsdp_groups_keep_one_dtype(model, keeps_fp32):
+    """FSDP2 needs one dtype among the parameters of each ``fully_shard`` call; refuse (before
+    anything changes) a model where ``prepare`` would cast some of them to bf16 and keep others
+    fp32 (normalization layers, ``keep_fp32``). ``keeps_fp32(name, module)`` is prepare's rule."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def managed(module, name, owner):
+        """(fully_shard module, parameter name, dtype after prepare) of each parameter below
+        ``module``; a parameter belongs to the innermost fully_shard module above it."""
+        if isinstance(module, FSDPModule):
+            owner = name or "<root>"
+        for param_name, p in module.named_parameters(recurse=False):
+            cast = p.dtype == torch.float32 and not keeps_fp32(name, module)
+            yield owner, f"{name}.{param_name}" if name else param_name, torch.bfloat16 if cast else p.dtype
+        for child_name, child in module.named_children():
+            yield from managed(child, f"{name}.{child_name}" if name else child_name, owner)
+
+    dtypes = {}
+    for owner, param_name, dtype in managed(model, "", None):
+        if owner is not None:
+            dtypes.setdefault(owner, {}).setdefault(dtype, []).append(param_name)
+    for owner, by_dtype in dtypes.items():
+        if len(by_dtype) > 1:
+            listed = "; ".join(f"{dtype}: {', '.join(names)}" for dtype, names in by_dtype.items())
+            raise ValueError(
+                f"flash_inductor.prepare: the parameters fully_shard('{owner}') manages would get different dtypes "
+                f"({listed}), and FSDP2 needs one dtype per fully_shard call; call fully_shard on the modules that "
+                "stay fp32 (normalization layers, keep_fp32) separately, before fully_shard on their parent"
+            )
+
+
+def cast_parameter(p, dtype):
+    """Give DTensor parameter ``p`` a ``dtype`` local shard, keeping the Parameter object; return
+    its previous value. ``p.data = ...`` would not do: it leaves a DTensor's local tensor as it
+    was. FSDP2 picks the new local tensor up in its lazy initialisation (first forward)."""
+    cast = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+    torch.utils.swap_tensors(p, cast)
+    return cast.detach()
+
+
+@dataclasses.dataclass(eq=False)
+class LocalOptimizer:
+    """The optimizer the step of a sharded prepared optimizer runs: ``optimizer``'s class over
+    its parameters' local tensors, kept in sync with it before every step."""
+
+    outer_ref: weakref.ReferenceType  # the user's optimizer (DTensor parameters)
+    optimizer: torch.optim.Optimizer  # over the local tensors
+
+    @classmethod
+    def build(cls, outer, record):
+        # The groups already hold every hyperparameter, so the base class's __init__ suffices (the
+        # classes' own signatures differ).
+        opt = object.__new__(type(outer))
+        groups = [dict(g, params=[local(p) for p in g["params"]]) for g in outer.param_groups]
+        torch.optim.Optimizer.__init__(opt, groups, outer.defaults)
+        roles.PREPARED[opt] = dataclasses.replace(record, optimizer_ref=weakref.ref(opt), error_terms={}, param_names={})
+        return cls(weakref.ref(outer), opt)
+
+    def sync(self):
+        """Local tensors, gradients, states, error terms and hyperparameters from the sharded
+        optimizer. FSDP2 may replace a local tensor object (re-padding in its lazy init, loads),
+        so they are looked up again each step; unchanged objects keep the compiled step's cache."""
+        outer = self.outer_ref()
+        record, local_record = roles.PREPARED[outer], roles.PREPARED[self.optimizer]
+        local_record.error_terms.clear()
+        local_record.param_names.clear()
+        self.optimizer.state.clear()
+        for group, local_group in zip(outer.param_groups, self.optimizer.param_groups):
+            local_group.update({k: v for k, v in group.items() if k != "params"})
+            local_group["params"] = [local(p) for p in group["params"]]
+            for p, lp in zip(group["params"], local_group["params"]):
+                lp.grad = local(p.grad)
+                local_record.param_names[lp] = record.param_names[p]
+                if record.error_term(p) is not None:
+                    local_record.error_terms[lp] = local(record.error_term(p))
+                if p in outer.state:
+                    self.optimizer.state[lp] = {k: local(v) for k, v in outer.state[p].items()}
+
+    def release_grads(self):
+        """Drop the local optimizer's references to the gradient shards (the user's
+        ``zero_grad`` frees them)."""
+        for group in self.optimizer.param_groups:
+            for lp in group["params"]:
+                lp.grad = None
+
+
+def route_step_through_local_optimizer(optimizer, record, compile_options):
+    """Replace ``optimizer.step`` by one that runs the local optimizer's step, itself routed
+    through the backend like any prepared optimizer's."""
+    from flash_inductor.prepare import route_step_through_backend
+
+    local_optimizer = LocalOptimizer.build(optimizer, record)
+    route_step_through_backend(local_optimizer.optimizer, compile_options)
+
+    # Dynamo does not trace this (the sync sets .grad of local tensors): a compiled train step
+    # graph-breaks at opt.step(), and the local step is compiled on its own.
+    @torch.compiler.disable
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        local_optimizer.sync()
+        try:
+            local_optimizer.optimizer.step()
+        finally:
+            local_optimizer.release_grads()
+        return loss
+
+    optimizer.step = types.MethodType(step, optimizer)
+
+
+def groups_like(ref, t, name):
+    """``t``, one row per group of 32 of ``ref``'s local shard (8-bit codes ``(groups, 32)`` or
+    scales ``(groups,)``), as a DTensor sharded on dim 0 (``t`` itself when ``ref`` is not a
+    DTensor): how compressed state dicts save a sharded state.
+
+    Each rank's groups must be the rows DTensor assigns it, which holds when the shards split
+    the parameter into whole groups evenly (e.g. even FSDP2 shards of a multiple of 32 elements);
+    the rows are then exactly the groups of the unsharded parameter.
+    """
+    if not isinstance(ref, DTensor):
+        return t
+    world = ref.device_mesh.size()
+    row_numel = ref.numel() // max(ref.shape[0], 1)
+    elements = [rows * row_numel for rows in _chunk_sizes(ref.shape[0], world)]
+    groups = [n // companded.GROUP_SIZE for n in elements]
+    if (
+        ref.placements != (Shard(0),)
+        or any(n % companded.GROUP_SIZE for n in elements)
+        or groups != _chunk_sizes(sum(groups), world)
+    ):
+        raise ValueError(
+            f"state_dict: parameter '{name}' (shape {list(ref.shape)}, placements {ref.placements}) is not split "
+            f"into whole groups of {companded.GROUP_SIZE} elements evenly across {world} ranks, so its compressed "
+            "8-bit state cannot be saved as one sharded tensor; use prepare(..., compressed_state_dict=False) "
+            "(decoded fp32 states)"
+        )
+    # t is contiguous and only its dim 0 differs from the whole tensor's: same strides.
+    return DTensor.from_local(t, ref.device_mesh, [Shard(0)], run_check=False, shape=(sum(groups), *t.shape[1:]),
+                              stride=t.stride())
+
+
+def _chunk_sizes(n, world):
+    """Rows per rank when ``n`` rows are split like ``torch.chunk`` (FSDP2's and DTensor's rule)."""
+    sizes = [len(c) for c in torch.arange(n).chunk(world)] if n else []
+    return sizes + [0] * (world - len(sizes))
