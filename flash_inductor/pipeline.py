@@ -29,6 +29,9 @@ class GraphPass:
     name: str
     level: str  # TORCH or ATEN
     fn: Callable
+    # The stored format of prepared tensors needs this rewrite: a graph that reads or writes them
+    # must not compile without it (the update would use the codes as values), so a failure raises.
+    required_for_prepared: bool = False
 
     def source(self):
         """The pass function's source and that of its module."""
@@ -46,6 +49,10 @@ class PassContext:
 
 class PassFailed(Warning):
     pass
+
+
+class RewriteFailed(RuntimeError):
+    """A pass that prepared tensors' stored format needs could not rewrite a graph that uses them."""
 
 
 def _warn_skipped(graph_pass, graph_name, error):
@@ -70,6 +77,15 @@ def run_torch_passes(gm: fx.GraphModule, example_inputs, passes, ctx, graph_name
             if new_gm is not gm:
                 graph_utils.propagate_fake(new_gm, example_inputs)
         except Exception as error:  # noqa: BLE001 - any failure means: compile without this pass
+            if graph_pass.required_for_prepared and ctx.roles:
+                raise RewriteFailed(
+                    f"flashoptim: pass '{graph_pass.name}' could not rewrite graph {graph_name}, which uses "
+                    f"prepared parameters or optimizer states: {type(error).__name__}: {error}. Compiled without "
+                    "it, the step would update their stored codes as if they were values. If a float "
+                    "hyperparameter (weight decay, betas, momentum) changes between steps, compile under "
+                    "torch._dynamo.config.patch(specialize_float=True) (a prepared optimizer's own step does) "
+                    "or keep it fixed."
+                ) from error
             _warn_skipped(graph_pass, graph_name, error)
             continue
         gm = new_gm

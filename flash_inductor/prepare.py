@@ -345,11 +345,13 @@ def run_compiled_step(compiled):
 
     Every optimizer of a class shares one Dynamo cache (one code object, guarded on ``self``), and
     gradient release adds one single-parameter optimizer per parameter; past the recompile limit
-    Dynamo would silently run the step eagerly, without the passes.
+    Dynamo would silently run the step eagerly, without the passes. Float hyperparameters (betas,
+    weight decay, momentum) are specialized: a changed value recompiles the step, where Dynamo
+    would otherwise make it a graph input read with ``.item()``, which the passes cannot rewrite.
     """
     steps = sum(1 + (len(r.gradient_release.optimizers) if r.gradient_release else 0) for r in list(roles.PREPARED.values()))
     config = torch._dynamo.config
     limit = max(config.recompile_limit, 2 * steps + 8)
     with config.patch(recompile_limit=limit, accumulated_recompile_limit=max(config.accumulated_recompile_limit, limit),
-                      fail_on_recompile_limit_hit=True):
+                      fail_on_recompile_limit_hit=True, specialize_float=True):
         compiled()

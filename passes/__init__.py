@@ -14,8 +14,8 @@ from .split_weights import split_weights_pass
 # companded_states runs first: it sets the layout of the update (see update_shape), which
 # split_weights then decodes the master in.
 TORCH_PASSES = (
-    GraphPass("companded_states", TORCH, companded_states_pass),
-    GraphPass("split_weights", TORCH, split_weights_pass),
+    GraphPass("companded_states", TORCH, companded_states_pass, required_for_prepared=True),
+    GraphPass("split_weights", TORCH, split_weights_pass, required_for_prepared=True),
     GraphPass("fp8_linear", TORCH, fp8_linear_pass),
     GraphPass("fp8_collectives", TORCH, fp8_collectives_pass),
 )

@@ -319,6 +319,34 @@ def test_many_prepared_optimizers_all_update_their_error_terms():
         assert not torch.equal(before, error), f"optimizer {i}: error term not updated"
 
 
+
+def test_a_step_the_passes_cannot_rewrite_fails_loudly_instead_of_compiling_without_them():
+    """A whole train step compiled by the user, with weight decay changed between steps: Dynamo
+    turns the changed float into a graph input read with ``.item()``, which the storage passes
+    cannot rewrite. Compiling that graph without them would update the stored codes as values,
+    so it must raise and say what to do; with ``specialize_float`` the step recompiles and trains."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    flash_inductor.prepare(model, opt, compile_options=EAGER)
+
+    @torch.compile(backend="flashoptim", options=EAGER)
+    def step(x):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    step(x)
+    opt.param_groups[0]["weight_decay"] = 0.05
+    before = snapshot(model, opt)
+    with pytest.raises(BackendCompilerFailed, match=r"(?s)could not rewrite.*specialize_float=True"):
+        step(x)
+    assert_unchanged(before, snapshot(model, opt))
+    with torch._dynamo.config.patch(specialize_float=True):
+        step(x)
+    assert not torch.equal(before["fc1.weight"], model.fc1.weight)
+
 # ---------------------------------------------------------------------------- backend options
 
 

@@ -754,3 +754,30 @@ def test_sequential_parameter_names_keep_split_weights():
     assert not skipped, skipped
     for (hi_n, lo_n), (hi_s, lo_s) in zip(*runs):
         assert torch.equal(hi_n, hi_s) and torch.equal(lo_n, lo_s)
+
+
+@pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
+def test_changing_a_float_hyperparameter_recompiles_and_keeps_training():
+    """A float hyperparameter other than lr (here weight decay, halved every step) is a constant of
+    the compiled step: changing it recompiles the step with the passes, and the masters go on
+    tracking stock fp32 AdamW with the same schedule. (Dynamo would otherwise turn the changed
+    float into a graph input read with ``.item()``, on which the passes failed and the parameters
+    silently stopped changing.)"""
+    base = mlp()
+    model, opt = prepared_copy(base, lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.4), state_bits=None,
+                               compile_options=EAGER)
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.4)
+    plain = copy.deepcopy(base).bfloat16()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.4)
+    for i in range(4):
+        grads = bf16_grads(model, i)
+        set_grads(ref, grads)
+        set_grads(plain, grads)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for o in (opt, ref_opt, plain_opt):
+            o.step()
+            o.zero_grad()
+            o.param_groups[0]["weight_decay"] *= 0.5
+        assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.ndim == 2), i
+    assert max_master_error(model, opt, ref) * MIN_TRACKING_RATIO <= max_param_error(plain, ref)
