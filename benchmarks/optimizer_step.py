@@ -1,7 +1,8 @@
 """Optimizer-step benchmark (GPU): the flashoptim AdamW step against torch's fused AdamW.
 
-Peer (when installed): the ``flashoptim`` package's FlashAdamW. Two parameter lists: 64 tensors of 2048x2048 (268M parameters) and GPT-2-124M's 148 tensors.
-Each configuration runs in this one process; times are medians of ``triton.testing.do_bench``.
+Peer (when installed): the ``flashoptim`` package's FlashAdamW. Two parameter lists: 64 tensors of
+2048x2048 (268M parameters) and GPT-2-124M's 148 tensors. Each configuration runs in this one
+process; times are medians of ``triton.testing.do_bench``.
 
     python benchmarks/optimizer_step.py --out benchmarks/results/optimizer_step.json
 
