@@ -28,7 +28,6 @@ import time
 import torch
 import torch.nn as nn
 
-import flash_inductor
 from flash_inductor.formats import fp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))

@@ -5,6 +5,8 @@
 #   fp8        FP8 linear / transformer-block benchmark against bf16 and torchao
 #   train124m  GPT 124M, 1000 steps: fp32 baseline, flashoptim, flashoptim + FP8, bf16 params
 #   peers1b    GPT 124M peers (FlashOptim package, torchao AdamW8bit); GPT 1.2B memory and step time
+#   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
+#              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
 set -uo pipefail
 stage=$1
 out=${2:-${OUT:-benchmarks/results}}
@@ -38,6 +40,13 @@ case $stage in
     timeout 320 python benchmarks/train_gpt.py --config 1b --steps 20 --warmup 8 --eval-every 20 --eval-batches 2 \
       --configs fp32_fused_autocast,flashoptim \
       --out "$out/train_gpt_1b_h200.json" 2>&1 | tee "$out/train_gpt_1b_h200.log"
+    ;;
+  large)
+    timeout 200 python benchmarks/train_gpt.py --config 1b --steps 10 --warmup 4 --eval-every 10 --eval-batches 1 \
+      --configs fp32_fused_autocast,flashoptim --no-inductor \
+      --out "$out/train_gpt_1b_eager_h200.json" 2>&1 | tee "$out/train_gpt_1b_eager_h200.log"
+    timeout 380 python benchmarks/train_gpt.py --config 1b --dim 8192 --heads 64 --layers 4 --batch 1 --find-largest \
+      --out "$out/train_gpt_find_largest_h200.json" 2>&1 | tee "$out/train_gpt_find_largest_h200.log"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

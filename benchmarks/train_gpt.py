@@ -201,19 +201,27 @@ def adamw_args(args):
     return dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+def compiled(fn, args):
+    """``fn`` (a step or a model) compiled by Inductor, or as it is under ``--no-inductor``."""
+    return fn if args.no_inductor else torch.compile(fn, backend="inductor")
+
+
 def build_fp32_fused_autocast(model, args):
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=model.lm_head.weight.is_cuda)
-    return Setup(model, opt, torch.compile(make_step(model, opt, True), backend="inductor"), autocast=True)
+    return Setup(model, opt, compiled(make_step(model, opt, True), args), autocast=True)
 
 
 def build_bf16_adamw(model, args):
     model.to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args))
-    return Setup(model, opt, torch.compile(make_step(model, opt), backend="inductor"))
+    return Setup(model, opt, compiled(make_step(model, opt), args))
 
 
 def build_flashoptim(model, args, **options):
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args))
+    if args.no_inductor:  # eager model; the prepared step runs the rewritten graph op by op
+        flash_inductor.prepare(model, opt, compile_options={**options, "compiler": "eager"})
+        return Setup(model, opt, make_step(model, opt))
     step = flash_inductor.train_step(make_step(model, opt), model=model, optimizer=opt, **options)
     return Setup(model, opt, step, record_fp8="fp8" in options)
 
@@ -234,7 +242,7 @@ def build_flashoptim_pypi(model, args):
         raise Skip("flashoptim's FlashAdamW needs CUDA (quantized states and error bits are Triton kernels)")
     cast_model(model, dtype=torch.bfloat16)
     opt = FlashAdamW(model.parameters(), **adamw_args(args), master_weight_bits=24)
-    return Setup(model, opt, make_step(torch.compile(model), opt), memory=peer_memory)
+    return Setup(model, opt, make_step(compiled(model, args), opt), memory=peer_memory)
 
 
 def build_torchao_adamw8bit(model, args):
@@ -244,7 +252,7 @@ def build_torchao_adamw8bit(model, args):
         raise Skip(f"torchao.optim.AdamW8bit not importable ({e})") from None
     model.to(torch.bfloat16)
     opt = AdamW8bit(model.parameters(), **adamw_args(args), bf16_stochastic_round=True)
-    return Setup(model, opt, make_step(torch.compile(model), opt), memory=peer_memory)
+    return Setup(model, opt, make_step(compiled(model, args), opt), memory=peer_memory)
 
 
 CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args) -> Setup
@@ -541,6 +549,10 @@ def parse_args(argv):
     parser.add_argument("--find-largest", action="store_true",
                         help="instead of training: the deepest model (at this width, batch, context) that fits on "
                              "the GPU for fp32_fused_autocast and flashoptim")
+    parser.add_argument("--no-inductor", action="store_true",
+                        help="run every configuration without Inductor: the model eagerly, flashoptim's optimizer "
+                             "step as the rewritten graph op by op (same stored formats, eager activations and "
+                             "temporaries); --find-largest always does, so a try costs seconds, not a compile")
     parser.add_argument("--find-steps", type=int, default=2, help="steps per try of --find-largest")
     parser.add_argument("--find-max-layers", type=int, default=512)
     args = parser.parse_args(argv)
@@ -557,6 +569,7 @@ def parse_args(argv):
     if args.model.dim % args.model.heads:
         parser.error(f"--dim {args.model.dim} is not a multiple of --heads {args.model.heads}")
     args.seq = args.model.seq
+    args.no_inductor = args.no_inductor or args.find_largest
     args.batch = args.batch or default_batch
     args.lr = args.lr or default_lr
     return args
@@ -604,8 +617,8 @@ def main(argv=None):
         torch=torch.__version__, python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M"),
         commit=git_commit(), device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
         corpus=corpus.info, model=dict(dataclasses.asdict(cfg), num_params=num_params, size=args.config),
-        batch=args.batch, lr=args.lr, steps=args.steps, seed=args.seed, warmup=args.warmup,
-        eval_every=args.eval_every, eval_batches=args.eval_batches,
+        batch=args.batch, lr=args.lr, no_inductor=args.no_inductor, steps=args.steps, seed=args.seed,
+        warmup=args.warmup, eval_every=args.eval_every, eval_batches=args.eval_batches,
     )
     results = dict(info=info, runs={}, skipped={})
     print(f"corpus: {corpus.info['files']} files, {corpus.info['bytes'] / 1e6:.1f} MB; model {cfg}, "

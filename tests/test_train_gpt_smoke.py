@@ -68,6 +68,29 @@ def test_bf16_adamw_and_flashoptim_train_and_report(train_gpt, tmp_path, fresh_d
     assert bf16_mem["error_terms"] == 0 and bf16_mem["weights"] == 2.0
 
 
+def test_no_inductor_runs_the_same_configurations_eagerly(train_gpt, tmp_path, fresh_dynamo, monkeypatch):
+    """--no-inductor (what --find-largest uses): no Inductor compile at all, the same stored formats."""
+    import torch._inductor.compile_fx
+
+    def no_inductor(*args, **kwargs):
+        raise AssertionError("Inductor was called under --no-inductor")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", no_inductor)
+    out = tmp_path / "train_gpt.json"
+    train_gpt.main([
+        "--config", "tiny", "--layers", "1", "--configs", "fp32_fused_autocast,flashoptim", "--device", "cpu",
+        "--steps", "6", "--batch", "4", "--seq", "32", "--warmup", "2", "--eval-every", "6",
+        "--eval-batches", "1", "--no-inductor", "--out", str(out),
+    ])
+    results = json.loads(out.read_text())
+    assert results["info"]["no_inductor"] is True
+    flash = results["runs"]["flashoptim"]
+    assert flash["heldout"][-1]["loss"] < flash["heldout"][0]["loss"]
+    assert 0.95 < flash["memory_per_param"]["error_terms"] <= 1.0
+    assert results["runs"]["fp32_fused_autocast"]["memory_per_param"]["states"] == 8.0
+    assert train_gpt.parse_args(["--config", "1b", "--device", "cuda", "--find-largest"]).no_inductor
+
+
 def test_find_largest_refuses_without_a_gpu(train_gpt, capsys):
     with pytest.raises(SystemExit):
         train_gpt.main(["--config", "tiny", "--device", "cpu", "--find-largest"])
