@@ -34,7 +34,14 @@ def gpt2_124m_shapes():
     return shapes + [(d,), (d,)]
 
 
-PARAM_LISTS = {"64x2048x2048": [(2048, 2048)] * 64, "gpt2_124m": gpt2_124m_shapes()}
+PARAM_LISTS = {
+    "64x2048x2048": [(2048, 2048)] * 64,
+    "gpt2_124m": gpt2_124m_shapes(),
+    # Smaller lists for comparing compile variants (each flashoptim variant compiles anew):
+    # the same per-kernel work, and GPT-2's mix of large and small tensors for 3 layers.
+    "16x2048x2048": [(2048, 2048)] * 16,
+    "gpt2_3layers": gpt2_124m_shapes()[:2 + 3 * 12],
+}
 
 
 def make_params(shapes, dtype):
@@ -93,7 +100,7 @@ def main():
     parser.add_argument("--lists", default="64x2048x2048,gpt2_124m")
     parser.add_argument("--configs", default="torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_pypi",
                         help="comma list of torch_fused_fp32, torch_fused_bf16, flashoptim, flashoptim_cudagraphs, "
-                             "flashoptim_pypi (skipped when the package is missing)")
+                             "flashoptim_fastdiv, flashoptim_combo, flashoptim_pypi (skipped when not installed)")
     args = parser.parse_args()
     bandwidth = measure_copy_bandwidth()
     info = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), copy_bandwidth_GBps=bandwidth / 1e9,
@@ -107,6 +114,11 @@ def main():
             "torch_fused_bf16": lambda: bench_torch_fused(shapes, torch.bfloat16),
             "flashoptim": lambda: bench_flashoptim(shapes, False, {}),
             "flashoptim_cudagraphs": lambda: bench_flashoptim(shapes, False, {"inductor": {"triton.cudagraphs": True}}),
+            # approximate fp32 division in the encodes (codes may differ from eager's by one)
+            "flashoptim_fastdiv": lambda: bench_flashoptim(
+                shapes, False, {"inductor": {"eager_numerics.division_rounding": False}}),
+            # Inductor's horizontal fusion of independent kernels (fewer launches)
+            "flashoptim_combo": lambda: bench_flashoptim(shapes, False, {"inductor": {"combo_kernels": True}}),
             "flashoptim_pypi": lambda: bench_flashoptim_pypi(shapes),
         }
         for name in args.configs.split(","):
@@ -117,7 +129,8 @@ def main():
             torch._dynamo.reset()
             torch.cuda.empty_cache()
             result = run()
-            bpp = BYTES_PER_PARAM["flashoptim" if name.startswith("flashoptim_cuda") else name]
+            bpp = BYTES_PER_PARAM["flashoptim_pypi" if name == "flashoptim_pypi" else
+                                  "flashoptim" if name.startswith("flashoptim") else name]
             floor_ms = n * bpp / bandwidth * 1e3
             row = dict(params=list_name, num_params=n, num_tensors=len(shapes), config=name, bytes_per_param=bpp,
                        achieved_GBps=n * bpp / (result["ms"] * 1e-3) / 1e9, floor_ms=floor_ms, **result)

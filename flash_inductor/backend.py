@@ -99,14 +99,18 @@ def _static_fakes(tensors, example_inputs):
 
 def _inductor(result: Rewritten, example_inputs, aten_passes):
     ctx, record = result.context, result.context.recorder
-    patches = dict(ctx.options.inductor)
+    patches = {}
     if result.rewritten:
-        # The passes' numerics round to bf16/fp16 inside fused kernels; Inductor would otherwise
-        # keep the fp32 value there (DESIGN.md §3, pitfall). Triton's default fp32 division is
-        # approximate; the encodes divide, and must give eager's codes.
-        patches["emulate_precision_casts"] = True
+        # Triton's default fp32 division is approximate; the encodes divide, and by default give
+        # eager's codes (the option ``inductor`` may trade that for speed: codes then differ by one
+        # at most, DESIGN.md §3).
         patches["eager_numerics.division_rounding"] = True
         patches.update(_compat.inductor_patches_for_rewritten_graphs())
+    patches.update(ctx.options.inductor)
+    if result.rewritten:
+        # Required, not a default: the passes' numerics round to bf16/fp16 inside fused kernels,
+        # and Inductor would otherwise keep the fp32 value there (DESIGN.md §3, pitfall).
+        patches["emulate_precision_casts"] = True
     post_grad = AtenPasses(aten_passes, ctx, result.name)
     if post_grad.passes or record is not None:  # when inspecting, it records the post-grad graphs
         patches["post_grad_custom_post_pass"] = post_grad

@@ -12,7 +12,10 @@ class Options:
     """What the backend does. Every field can be given by name in ``options={...}``.
 
     disable: names of passes to switch off (see ``flash_inductor.passes.ALL_PASSES``).
-    inductor: extra Inductor config patches, e.g. ``{"combo_kernels": True}``.
+    inductor: extra Inductor config patches, e.g. ``{"combo_kernels": True}``; they override the
+        backend's defaults for rewritten graphs (``{"eager_numerics.division_rounding": False}``
+        trades eager-identical codes for approximate division), except ``emulate_precision_casts``,
+        which rewritten graphs need.
     dump: folder to write every graph before and after each pass to (also ``FLASHOPTIM_DUMP``).
     compiler: "inductor", or "eager" to run the rewritten graphs without Inductor (debugging:
         same rewrites, no kernels).
@@ -56,6 +59,11 @@ class Options:
         inductor = options.get("inductor", ())
         if isinstance(inductor, dict):
             inductor = tuple(sorted(inductor.items()))
+        if dict(inductor).get("emulate_precision_casts", True) is not True:
+            raise ValueError(
+                "flashoptim: option 'inductor' cannot turn emulate_precision_casts off: the rewritten optimizer "
+                "step rounds to bf16/fp16 inside fused kernels, and without it every error term would stay 0"
+            )
         dump = options.get("dump") or os.environ.get("FLASHOPTIM_DUMP") or None
         compiler = options.get("compiler", "inductor")
         if compiler not in ("inductor", "eager"):

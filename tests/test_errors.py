@@ -380,3 +380,25 @@ def test_disabling_an_unknown_pass_names_known_passes():
     assert all(name in str(inner) for name in ("nope", "split_weights", "companded_states"))
     # a known pass is accepted
     assert torch.equal(torch.compile(f, backend="flashoptim", options={"disable": ["split_weights"]})(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_inductor_option_overrides_defaults_but_cannot_turn_off_precision_casts(monkeypatch):
+    """``options={"inductor": ...}`` reaches Inductor for a rewritten optimizer step and overrides
+    the backend's default (exact division); ``emulate_precision_casts`` stays on, and asking to turn
+    it off is refused up front."""
+    seen = []
+    compile_fx = flash_inductor.backend.compile_fx
+    monkeypatch.setattr(flash_inductor.backend, "compile_fx",
+                        lambda *a, config_patches=None, **k: seen.append(config_patches) or compile_fx(*a, **k))
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    flash_inductor.prepare(model, opt, compile_options={"inductor": {"eager_numerics.division_rounding": False,
+                                                                     "emulate_precision_casts": True}})
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    (patches,) = seen
+    assert patches["eager_numerics.division_rounding"] is False and patches["emulate_precision_casts"] is True
+    with pytest.raises(ValueError, match="cannot turn emulate_precision_casts off"):
+        flash_inductor.compile(lambda x: x, inductor={"emulate_precision_casts": False})
