@@ -105,7 +105,7 @@ def assert_decodes_to(actual, codes, scales, shape, kind):
 def ref_half_ulp_log2(hi):
     """e - m - 1 for bf16 ``hi`` (e = 1 - bias for zero / subnormals), as float64."""
     _, e = torch.frexp(hi.double())
-    e = torch.where(hi == 0, torch.full_like(e, 1), e)  # frexp(0) -> 0: treat as the smallest normal
+    e = torch.where(hi == 0, torch.full_like(e, -125), e)  # frexp(0) -> 0: zero has e = 1 - bias = -126, as subnormals
     return (torch.clamp(e - 1, min=-126) - 7 - 1).double()  # e - m - 1 with m = 7
 
 
