@@ -102,6 +102,20 @@ def _bytes_sent(rank):
     return sent
 
 
+def _reduce_scatter(rank):
+    """A sharded engine's gradient collective: reduce-scatter along dim 0, the sum of fp32 and the
+    average of bf16 gradients, each with the bytes its step sends."""
+    g = torch.randn(WORLD * 6, 40, generator=torch.Generator().manual_seed(7 + rank)) * (1 + rank)
+    out = {}
+    for op, x in (("sum", g), ("avg", g.bfloat16())):
+        fn = flash_inductor.compile(lambda t, op=op: fcol.reduce_scatter_tensor(t, op, 0, dist.group.WORLD), **OPTIONS)
+        fn(x)  # compile first: only the step is counted
+        with CollectiveBytes() as counted:
+            y = fn(x)
+        out[op] = {"input": x, "out": y, "state": _state().clone(), "bytes": dict(counted.by_op)}
+    return out
+
+
 def _three_all_reduces(g):
     """A gradient's sum (rewritten), a scalar metric's sum and a max (both left alone)."""
     world = dist.group.WORLD
@@ -120,7 +134,8 @@ def _worker(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     results = {}
     for name, scenario in [("explicit", _explicit_all_reduce), ("avg", _average_bf16), ("ddp", _ddp_compiled_autograd),
-                           ("inductor", _inductor), ("bytes", _bytes_sent), ("golden", _golden_graph)]:
+                           ("inductor", _inductor), ("bytes", _bytes_sent), ("golden", _golden_graph),
+                           ("reduce_scatter", _reduce_scatter)]:
         torch._dynamo.reset()
         results[name] = scenario(rank)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
@@ -311,7 +326,8 @@ def test_bytes_sent_per_step_half_of_bf16(ranks):
 def test_rewritten_graph(ranks):
     golden = ranks[0]["golden"]
     assert [d[2] for d in golden["decisions"]] == [
-        fp8_collectives._PATH, "unchanged: a scalar (a loss or metric, not a gradient)", "unchanged: reduce op 'max'"]
+        "e4m3 all-to-all + all-gather of uint8 bytes, summed locally in fp32",
+        "unchanged: a scalar (a loss or metric, not a gradient)", "unchanged: reduce op 'max'"]
     # Regenerate after an intended change with EXPECTTEST_ACCEPT=1.
     expecttest.TestCase().assertExpectedInline(golden["code"], """\
 class GraphModule(torch.nn.Module):
@@ -325,3 +341,32 @@ class GraphModule(torch.nn.Module):
         tensor_2: "f32[1001]cpu" = torch.ops._c10d_functional.all_reduce(l_g_, 'max', '0');  l_g_ = None
         wait_tensor_2: "f32[1001]cpu" = torch.ops._c10d_functional.wait_tensor(tensor_2);  tensor_2 = None
         return (all_reduce, wait_tensor_1, wait_tensor_2)""")
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_reduce_scatter_keeps_each_ranks_rows_of_the_sum_within_fp8_error(ranks, op):
+    """Rank r gets rows r of the ranks' sum (or mean): one e4m3 rounding per rank's value (the sum
+    stays fp32, so there is no second rounding and no mu: the state records [1, scale]); one scale
+    from the max amax on both ranks; half the bytes of a bf16 reduce-scatter."""
+    inputs = [r["reduce_scatter"][op]["input"] for r in ranks]
+    states = [r["reduce_scatter"][op]["state"] for r in ranks]
+    assert torch.equal(states[0], states[1])
+    scale = states[0][fp8_collective.SCALE].item()
+    assert states[0][fp8_collective.MU].item() == 1.0
+    assert scale == pytest.approx(ref_scale(inputs, 1.0), rel=2**-22)
+    divisor = WORLD if op == "avg" else 1
+    exact = exact_sum(inputs) / divisor
+    v = [x.double() * scale for x in inputs]
+    bound = (sum(2**-4 * vr.abs() + 2**-10 for vr in v) / scale + 2**-22 * sum(vr.abs() for vr in v) / scale) / divisor
+    rows = inputs[0].shape[0] // WORLD
+    for rank, r in enumerate(ranks):
+        out = r["reduce_scatter"][op]["out"]
+        assert out.dtype == inputs[0].dtype and out.shape == (rows, inputs[0].shape[1])
+        want, err = exact[rank * rows:(rank + 1) * rows], bound[rank * rows:(rank + 1) * rows]
+        rounding = 2**-8 * want.abs() * 1.1 if out.dtype == torch.bfloat16 else 0
+        assert ((out.double() - want).abs() <= err + rounding).all()
+    numel = inputs[0].numel()
+    assert ranks[0]["reduce_scatter"][op]["bytes"] == {"all_reduce": 2 * (WORLD - 1) / WORLD * 4,  # the amax
+                                                       "all_to_all_single": (WORLD - 1) / WORLD * numel}
+    bf16_reduce_scatter = (WORLD - 1) / WORLD * numel * 2
+    assert sum(ranks[0]["reduce_scatter"][op]["bytes"].values()) / bf16_reduce_scatter < 0.51

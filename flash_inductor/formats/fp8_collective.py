@@ -2,7 +2,9 @@
 
 ``all_reduce(x, state, reduce_op, group_name, group_size)`` computes what
 ``_c10d_functional.all_reduce(x, reduce_op, group_name)`` ("sum" or "avg") computes, moving e4m3
-bytes instead of ``x``'s dtype. With ``n`` ranks and ``mu`` from ``state``:
+bytes instead of ``x``'s dtype; ``reduce_scatter`` likewise for ``reduce_scatter_tensor`` (the
+first phase below alone: each rank keeps its fp32-summed chunk). With ``n`` ranks and ``mu`` from
+``state``:
 
     amax   = all_reduce(max |x|, "max")                     every rank gets the same amax ...
     scale  = fp8_max / max(amax, 1e-12) * mu                ... and so the same scale
@@ -79,28 +81,43 @@ def _wait(tensor):
     return torch.ops._c10d_functional.wait_tensor(tensor)
 
 
+def _check_op(reduce_op, name):
+    if reduce_op not in ("sum", "avg"):
+        raise ValueError(f"fp8 {name}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+
+
+def _agreed_scale(flat, mu, group_name):
+    """fp8_max * mu / amax, with amax all-reduced with MAX: the same on every rank."""
+    amax = _wait(torch.ops._c10d_functional.all_reduce(fp8.amax(flat), "max", group_name))
+    return fp8.scale_from_amax(amax, FORMAT) * mu
+
+
+def _exchange_and_sum(padded, scale, n, group_name):
+    """The reduce-scatter phase: e4m3 bytes of ``padded`` (``n`` equal chunks), chunk j to rank j
+    (all_to_all_single), summed over the ranks in fp32; in units of ``1 / scale``."""
+    chunk = padded.numel() // n
+    sent = fp8.cast_to_fp8(padded, scale, FORMAT).view(torch.uint8)
+    received = _wait(torch.ops._c10d_functional.all_to_all_single(sent, [chunk] * n, [chunk] * n, group_name))
+    return received.view(FORMAT).to(torch.float32).view(n, chunk).sum(0)
+
+
 def all_reduce(x, state, reduce_op, group_name, group_size):
     """``all_reduce(x, reduce_op)`` over ``group_name`` (``group_size`` ranks) with e4m3 payloads;
     returns a new tensor of ``x``'s dtype and shape and updates ``state`` (see the module doc)."""
-    if reduce_op not in ("sum", "avg"):
-        raise ValueError(f"fp8 all_reduce: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
-    c10d = torch.ops._c10d_functional
+    _check_op(reduce_op, "all_reduce")
     n = group_size
     flat = x.reshape(-1).to(torch.float32)
     numel = flat.numel()
     padded = torch.nn.functional.pad(flat, (0, (-numel) % n))
     chunk = padded.numel() // n
     mu = state[MU]
-
-    scale = fp8.scale_from_amax(_wait(c10d.all_reduce(fp8.amax(flat), "max", group_name)), FORMAT) * mu
-
-    sent = fp8.cast_to_fp8(padded, scale, FORMAT).view(torch.uint8)
-    received = _wait(c10d.all_to_all_single(sent, [chunk] * n, [chunk] * n, group_name))
-    reduced = received.view(FORMAT).to(torch.float32).view(n, chunk).sum(0)  # units of 1 / scale
+    scale = _agreed_scale(flat, mu, group_name)
+    reduced = _exchange_and_sum(padded, scale, n, group_name)
 
     overflow = fp8.overflow_count(reduced, 1.0, FORMAT).to(torch.int32).reshape(1)
     payload = torch.cat([fp8.cast_to_fp8(reduced, 1.0, FORMAT).view(torch.uint8), overflow.view(torch.uint8)])
-    gathered = _wait(c10d.all_gather_into_tensor(payload, n, group_name)).view(n, chunk + _COUNT_BYTES)
+    gathered = _wait(torch.ops._c10d_functional.all_gather_into_tensor(payload, n, group_name))
+    gathered = gathered.view(n, chunk + _COUNT_BYTES)
     summed = fp8.dequantize(gathered[:, :chunk].view(FORMAT).reshape(-1)[:numel], scale)
     if reduce_op == "avg":
         summed = summed / n
@@ -108,3 +125,18 @@ def all_reduce(x, state, reduce_op, group_name, group_size):
 
     state.copy_(torch.stack([next_mu(mu, overflow_total, numel), scale]))
     return summed.to(x.dtype).view(x.shape)
+
+
+def reduce_scatter(x, state, reduce_op, group_name, group_size):
+    """``reduce_scatter_tensor(x, reduce_op)`` (rank j gets the sum of the ranks' j-th slice of dim 0)
+    with e4m3 payloads: the all-reduce's first phase alone. The sum stays fp32 and is never cast
+    again, so nothing can saturate: mu stays 1 and ``state`` records ``[1, scale]``."""
+    _check_op(reduce_op, "reduce_scatter")
+    n = group_size
+    flat = x.reshape(-1).to(torch.float32)
+    scale = _agreed_scale(flat, 1.0, group_name)
+    summed = fp8.dequantize(_exchange_and_sum(flat, scale, n, group_name), scale)
+    if reduce_op == "avg":
+        summed = summed / n
+    state.copy_(torch.stack([torch.ones_like(scale), scale]))
+    return summed.to(x.dtype).view(x.shape[0] // n, *x.shape[1:])
