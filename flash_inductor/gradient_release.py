@@ -27,8 +27,11 @@ is still evaluated), and so does ``optimizer.zero_grad()``. Refused with an erro
 
 Global gradient clipping cannot be detected: ``clip_grad_norm_`` after backward finds no
 gradients, clips nothing and returns 0. Optimizer step hooks (``register_step_pre_hook``) do not
-run. FSDP2 calls the hooks on each sharded parameter with its sharded gradient; that path is
-untested (prepare does not support FSDP2 yet).
+run.
+
+Under FSDP2 the hooks fire on each sharded (DTensor) parameter once its gradient shard is
+reduce-scattered; the update runs on the local shard through the sharded optimizer's local
+optimizer (``flash_inductor/sharded.py``), one parameter at a time, like the sharded step.
 """
 
 import collections
@@ -52,17 +55,11 @@ def check_model(model):
             "local gradient before DDP all-reduces it; use gradient_release=False with DDP, or shard the model "
             "with FSDP2 (fully_shard)"
         )
-    from flash_inductor import sharded
-
-    if model is not None and any(sharded.is_sharded(p) for p in model.parameters()):
-        raise ValueError(
-            f"{OPTION} with FSDP2 (fully_shard) is not supported yet: each hook would have to update the "
-            "local shard; use gradient_release=False with FSDP2"
-        )
 
 
 class SingleParameterStep:
-    """The optimizer's step on one parameter, compiled through the backend."""
+    """The optimizer's step on one parameter, compiled through the backend (for a sharded parameter:
+    on its local shard, through the local optimizer)."""
 
     def __init__(self, optimizer, group_index, param, compile_options):
         from flash_inductor.backend import compile as compile_with_backend
@@ -89,20 +86,29 @@ class SingleParameterStep:
 class GradientRelease:
     """The single-parameter steps of one prepared optimizer and the step boundary they share."""
 
-    def __init__(self, optimizer, record):
+    def __init__(self, optimizer, record, compile_options):
         self.optimizer_ref = weakref.ref(optimizer)
         self.record = record
+        self.compile_options = compile_options
         self.optimizers = {}  # param -> SingleParameterStep
+        self.group_index = {}  # param -> index of its group
         self.updated = set()  # ids of parameters updated since the last step() / zero_grad()
+        self.local_optimizer = None  # sharded.LocalOptimizer, for FSDP2 parameters
 
     @classmethod
     def install(cls, optimizer, record, compile_options):
-        release = cls(optimizer, record)
+        from flash_inductor import sharded
+
+        release = cls(optimizer, record, compile_options)
+        if any(sharded.is_sharded(p) for p in record.params()):
+            release.local_optimizer = sharded.LocalOptimizer.build(optimizer, record)
         handles = []
         for group_index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if p.requires_grad:
-                    release.optimizers[p] = SingleParameterStep(optimizer, group_index, p, compile_options)
+                    release.group_index[p] = group_index
+                    if release.local_optimizer is None:
+                        release.optimizers[p] = SingleParameterStep(optimizer, group_index, p, compile_options)
                     handles.append(p.register_post_accumulate_grad_hook(release.update))
         # The hooks live on the parameters, which may outlive the optimizer.
         weakref.finalize(optimizer, lambda: [h.remove() for h in handles])
@@ -140,13 +146,31 @@ class GradientRelease:
                 "all-reduce; use gradient_release=False, or shard the model with FSDP2 (fully_shard)"
             )
         checks.check_grad(self.record, param)
-        step = self.optimizers[param]
-        group = step.sync(optimizer)
+        if self.local_optimizer is None:
+            step = self.optimizers[param]
+            group = step.sync(optimizer)
+        else:
+            step, group = self._local_step(param)
         if self.record.check_numerics:
             checks.check_lr_moves_weights(self.record, group)
-        run_compiled_step(step.compiled)
+        try:
+            run_compiled_step(step.compiled)
+        finally:
+            step.param.grad = None
         self.updated.add(id(param))
         param.grad = None
+
+    def _local_step(self, param):
+        """The single-parameter step of a sharded ``param``'s local shard, synced. FSDP2 may swap a
+        local tensor object (in its lazy initialisation at the first forward), so the step is
+        built for the current one."""
+        local_param = self.local_optimizer.sync_one(param, self.group_index[param])
+        step = self.optimizers.get(param)
+        if step is None or step.param is not local_param:
+            step = SingleParameterStep(self.local_optimizer.optimizer, self.group_index[param], local_param,
+                                       self.compile_options)
+            self.optimizers[param] = step
+        return step, step.sync(self.local_optimizer.optimizer)
 
 
 def _data_parallel(param):

@@ -349,7 +349,7 @@ def run_compiled_step(compiled):
     weight decay, momentum) are specialized: a changed value recompiles the step, where Dynamo
     would otherwise make it a graph input read with ``.item()``, which the passes cannot rewrite.
     """
-    steps = sum(1 + (len(r.gradient_release.optimizers) if r.gradient_release else 0) for r in list(roles.PREPARED.values()))
+    steps = sum(1 + (len(r.gradient_release.group_index) if r.gradient_release else 0) for r in list(roles.PREPARED.values()))
     config = torch._dynamo.config
     limit = max(config.recompile_limit, 2 * steps + 8)
     with config.patch(recompile_limit=limit, accumulated_recompile_limit=max(config.accumulated_recompile_limit, limit),

@@ -147,6 +147,21 @@ class LocalOptimizer:
                 if p in outer.state:
                     self.optimizer.state[lp] = {k: local(v) for k, v in outer.state[p].items()}
 
+    def sync_one(self, p, group_index):
+        """Like ``sync``, for one parameter ``p`` of the sharded optimizer's group ``group_index``
+        (gradient release updates one at a time); returns its current local tensor."""
+        outer = self.outer_ref()
+        record, local_record = roles.PREPARED[outer], roles.PREPARED[self.optimizer]
+        self.optimizer.param_groups[group_index].update(
+            {k: v for k, v in outer.param_groups[group_index].items() if k != "params"})
+        lp = local(p)
+        lp.grad = local(p.grad)
+        local_record.param_names[lp] = record.param_names[p]
+        if record.error_term(p) is not None:
+            local_record.error_terms[lp] = local(record.error_term(p))
+        self.optimizer.state[lp] = {k: local(v) for k, v in outer.state[p].items()}
+        return lp
+
     def release_grads(self):
         """Drop the local optimizer's references to the gradient shards (the user's
         ``zero_grad`` frees them)."""
