@@ -1,17 +1,25 @@
 """Bytes each rank sends per training step for its gradients: fp32, bf16, and FP8 collectives.
 
     python benchmarks/collective_bytes.py [--ranks 2] [--compiler eager|inductor]
+    python benchmarks/collective_bytes.py --device cuda --ranks 2 --model gpt --compiler inductor --steps 20
 
-Starts ``--ranks`` gloo processes on the CPU. Each trains a small MLP under DDP with the python
-reducer traced by compiled autograd (``optimize_ddp="python_reducer"``: the gradient all-reduces
-are in the backward graph the backend compiles) and counts, with
-``flash_inductor.collective_bytes.CollectiveBytes``, the bytes rank 0 sends during one step after a
-warm-up step. Byte counts are ring-algorithm bytes per rank (see that module), so they do not depend
-on ``--compiler``; ``eager`` only skips Inductor's kernel compile.
+Starts ``--ranks`` processes (gloo on the CPU; NCCL with one GPU each for ``--device cuda``). Each
+trains a model (a small MLP, or ``--model gpt``: ``benchmarks/train_gpt.py``'s GPT at
+``--gpt-config``) under DDP with the python reducer traced by compiled autograd
+(``optimize_ddp="python_reducer"``: the gradient all-reduces are in the backward graph the backend
+compiles) and counts, with ``flash_inductor.collective_bytes.CollectiveBytes``, the bytes rank 0
+sends during one backward after a warm-up step. Byte counts are ring-algorithm bytes per rank (see
+that module), so they do not depend on ``--compiler``; ``eager`` only skips Inductor's kernel
+compile. ``--steps N`` also times N forward + backward passes (median; on the CPU the times say
+nothing about a GPU interconnect).
 """
 
 import argparse
+import pathlib
+import statistics
+import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,29 +35,64 @@ CONFIGS = [  # name, parameter dtype, fp8_collectives
 ]
 
 
-def _model(dtype):
+def _model(kind, dtype, device, gpt_config):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).to(dtype)
+    if kind == "gpt":
+        sys.path.insert(0, str(pathlib.Path(__file__).parent))
+        from train_gpt import GPT, SIZES
+
+        model = GPT(SIZES[gpt_config][0])
+    else:
+        model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    return model.to(device, dtype)
 
 
-def _bytes_per_step(rank, dtype, fp8, compiler):
+def _batch(kind, model, rank, dtype, device):
+    gen = torch.Generator().manual_seed(rank)
+    if kind == "gpt":
+        seq = model.pos_embed.weight.shape[0]
+        return torch.randint(0, 256, (4, seq), generator=gen).to(device)
+    return torch.randn(32, 256, generator=gen).to(device, dtype)
+
+
+def _loss(model, x):
+    return model(x).float().pow(2).mean()
+
+
+def _measure(rank, args, dtype, fp8):
+    """(bytes rank 0 sends in one backward, by collective, parameters, median step seconds)."""
     torch._dynamo.reset()
-    model = _model(dtype)
+    device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
+    model = _model(args.model, dtype, device, args.gpt_config)
     ddp = nn.parallel.DistributedDataParallel(model)
-    backend = torch.compile(backend="flashoptim", options={"fp8_collectives": fp8, "compiler": compiler})
-    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(rank)).to(dtype)
+    backend = torch.compile(backend="flashoptim", options={"fp8_collectives": fp8, "compiler": args.compiler})
+    x = _batch(args.model, model, rank, dtype, device)
+    times = []
     with torch._dynamo.compiled_autograd._enable(backend):
-        ddp(x).float().pow(2).mean().backward()  # warm-up: compiles
+        _loss(ddp, x).backward()  # warm-up: compiles
         model.zero_grad()
         with CollectiveBytes() as sent:
-            ddp(x).float().pow(2).mean().backward()
-    return sent.total, dict(sent.by_op), sum(p.numel() for p in model.parameters())
+            _loss(ddp, x).backward()
+        for _ in range(args.steps):
+            model.zero_grad()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            _loss(ddp, x).backward()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    median = statistics.median(times) if times else None
+    return sent.total, dict(sent.by_op), sum(p.numel() for p in model.parameters()), median
 
 
-def _worker(rank, world, compiler, init_file, out_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _worker(rank, args, init_file, out_file):
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=args.ranks)
     torch._dynamo.config.optimize_ddp = "python_reducer"
-    rows = [(name, *_bytes_per_step(rank, dtype, fp8, compiler)) for name, dtype, fp8 in CONFIGS]
+    rows = [(name, *_measure(rank, args, dtype, fp8)) for name, dtype, fp8 in CONFIGS]
     if rank == 0:
         torch.save(rows, out_file)
     dist.destroy_process_group()
@@ -59,18 +102,24 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--compiler", choices=["eager", "inductor"], default="eager")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
+    parser.add_argument("--gpt-config", default="tiny", help="a size of benchmarks/train_gpt.py (tiny, 124m, ...)")
+    parser.add_argument("--steps", type=int, default=0, help="forward + backward passes to time")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(args.ranks, args.compiler, f"{tmp}/init", f"{tmp}/rows.pt"), nprocs=args.ranks)
+        mp.spawn(_worker, args=(args, f"{tmp}/init", f"{tmp}/rows.pt"), nprocs=args.ranks)
         rows = torch.load(f"{tmp}/rows.pt")
-    by_name = {name: total for name, total, _, _ in rows}
+    by_name = {name: total for name, total, *_ in rows}
     bf16, fp32 = by_name["bf16 gradients"], by_name["fp32 gradients"]
-    print(f"{args.ranks} ranks (gloo, CPU), {rows[0][3]:,} parameters in 4 tensors, bytes rank 0 sends per step")
-    print("| gradients | bytes/step | B/param | vs bf16 | vs fp32 | by collective |")
-    print("|---|---|---|---|---|---|")
-    for name, total, by_op, params in rows:
-        ops = ", ".join(f"{op} {b:,}" for op, b in by_op.items())
-        print(f"| {name} | {total:,} | {total / params:.3f} | {total / bf16:.3f} | {total / fp32:.3f} | {ops} |")
+    where = "NCCL, one GPU each" if args.device == "cuda" else "gloo, CPU"
+    print(f"{args.ranks} ranks ({where}), {args.model}, {rows[0][3]:,} parameters, bytes rank 0 sends per step")
+    print("| gradients | bytes/step | B/param | vs bf16 | vs fp32 | by collective | fwd+bwd ms (median) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, total, by_op, params, step_s in rows:
+        ops = ", ".join(f"{op} {b:,.0f}" for op, b in by_op.items())
+        ms = "-" if step_s is None else f"{step_s * 1e3:.2f}"
+        print(f"| {name} | {total:,.0f} | {total / params:.3f} | {total / bf16:.3f} | {total / fp32:.3f} | {ops} | {ms} |")
 
 
 if __name__ == "__main__":
