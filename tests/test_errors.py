@@ -384,8 +384,8 @@ def test_disabling_an_unknown_pass_names_known_passes():
 
 def test_inductor_option_overrides_defaults_but_cannot_turn_off_precision_casts(monkeypatch):
     """``options={"inductor": ...}`` reaches Inductor for a rewritten optimizer step and overrides
-    the backend's default (exact division); ``emulate_precision_casts`` stays on, and asking to turn
-    it off is refused up front."""
+    the backend's default (exact division) and keeps the others (no pattern matcher);
+    ``emulate_precision_casts`` stays on, and asking to turn it off is refused up front."""
     seen = []
     compile_fx = flash_inductor.backend.compile_fx
     monkeypatch.setattr(flash_inductor.backend, "compile_fx",
@@ -400,5 +400,6 @@ def test_inductor_option_overrides_defaults_but_cannot_turn_off_precision_casts(
     opt.step()
     (patches,) = seen
     assert patches["eager_numerics.division_rounding"] is False and patches["emulate_precision_casts"] is True
+    assert patches["pattern_matcher"] is False  # a default for optimizer steps, not overridden here
     with pytest.raises(ValueError, match="cannot turn emulate_precision_casts off"):
         flash_inductor.compile(lambda x: x, inductor={"emulate_precision_casts": False})
