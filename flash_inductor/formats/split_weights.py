@@ -56,7 +56,7 @@ def _pow2(k):
 
 def _scale_by_pow2(x, k):
     """``x * 2**k`` in two halves, so neither factor over- or underflows fp32 (|k| <= 252)."""
-    half = torch.div(k, 2, rounding_mode="floor")
+    half = k >> 1  # floor(k / 2): an arithmetic shift, one instruction where a floor division is several
     return x * _pow2(half) * _pow2(k - half)
 
 
