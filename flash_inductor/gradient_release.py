@@ -185,10 +185,9 @@ def _data_parallel(param):
 @torch.compiler.disable
 def _step(optimizer, closure=None):
     """``optimizer.step()`` under gradient release: the updates happened in backward."""
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
+    from flash_inductor.prepare import evaluate_closure
+
+    loss = evaluate_closure(closure)
     release = roles.PREPARED[optimizer].gradient_release
     # A gradient still there at the step did not pass through a hook (set by hand, or of a parameter
     # that did not require grad at prepare): it would be silently ignored.

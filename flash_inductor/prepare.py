@@ -329,15 +329,21 @@ def route_step_through_backend(optimizer, compile_options):
     def step(self, closure=None):
         if torch.compiler.is_compiling():
             return original(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         checks.check_before_step(self)
         run_compiled_step(compiled)
         return loss
 
     optimizer.step = types.MethodType(step, optimizer)
+
+
+def evaluate_closure(closure):
+    """What ``step(closure)`` returns: the closure's loss, evaluated with grad enabled (as torch's
+    optimizers do), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def run_compiled_step(compiled):

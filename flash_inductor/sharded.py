@@ -131,35 +131,36 @@ class LocalOptimizer:
         """Local tensors, gradients, states, error terms and hyperparameters from the sharded
         optimizer. FSDP2 may replace a local tensor object (re-padding in its lazy init, loads),
         so they are looked up again each step; unchanged objects keep the compiled step's cache."""
-        outer = self.outer_ref()
-        record, local_record = roles.PREPARED[outer], roles.PREPARED[self.optimizer]
+        local_record = roles.PREPARED[self.optimizer]
         local_record.error_terms.clear()
         local_record.param_names.clear()
         self.optimizer.state.clear()
-        for group, local_group in zip(outer.param_groups, self.optimizer.param_groups):
-            local_group.update({k: v for k, v in group.items() if k != "params"})
-            local_group["params"] = [local(p) for p in group["params"]]
-            for p, lp in zip(group["params"], local_group["params"]):
-                lp.grad = local(p.grad)
-                local_record.param_names[lp] = record.param_names[p]
-                if record.error_term(p) is not None:
-                    local_record.error_terms[lp] = local(record.error_term(p))
-                if p in outer.state:
-                    self.optimizer.state[lp] = {k: local(v) for k, v in outer.state[p].items()}
+        for group_index, group in enumerate(self.outer_ref().param_groups):
+            self._sync_hyperparameters(group_index)
+            self.optimizer.param_groups[group_index]["params"] = [self._sync_param(p) for p in group["params"]]
 
     def sync_one(self, p, group_index):
         """Like ``sync``, for one parameter ``p`` of the sharded optimizer's group ``group_index``
         (gradient release updates one at a time); returns its current local tensor."""
+        self._sync_hyperparameters(group_index)
+        return self._sync_param(p)
+
+    def _sync_hyperparameters(self, group_index):
+        group = self.outer_ref().param_groups[group_index]
+        self.optimizer.param_groups[group_index].update({k: v for k, v in group.items() if k != "params"})
+
+    def _sync_param(self, p):
+        """Register the current local tensor of ``p`` with its gradient shard, name, error term
+        and states in the local optimizer; return it."""
         outer = self.outer_ref()
         record, local_record = roles.PREPARED[outer], roles.PREPARED[self.optimizer]
-        self.optimizer.param_groups[group_index].update(
-            {k: v for k, v in outer.param_groups[group_index].items() if k != "params"})
         lp = local(p)
         lp.grad = local(p.grad)
         local_record.param_names[lp] = record.param_names[p]
         if record.error_term(p) is not None:
             local_record.error_terms[lp] = local(record.error_term(p))
-        self.optimizer.state[lp] = {k: local(v) for k, v in outer.state[p].items()}
+        if p in outer.state:
+            self.optimizer.state[lp] = {k: local(v) for k, v in outer.state[p].items()}
         return lp
 
     def release_grads(self):
@@ -173,7 +174,7 @@ class LocalOptimizer:
 def route_step_through_local_optimizer(optimizer, record, compile_options):
     """Replace ``optimizer.step`` by one that runs the local optimizer's step, itself routed
     through the backend like any prepared optimizer's."""
-    from flash_inductor.prepare import route_step_through_backend
+    from flash_inductor.prepare import evaluate_closure, route_step_through_backend
 
     local_optimizer = LocalOptimizer.build(optimizer, record)
     route_step_through_backend(local_optimizer.optimizer, compile_options)
@@ -182,10 +183,7 @@ def route_step_through_local_optimizer(optimizer, record, compile_options):
     # graph-breaks at opt.step(), and the local step is compiled on its own.
     @torch.compiler.disable
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         local_optimizer.sync()
         try:
             local_optimizer.optimizer.step()
