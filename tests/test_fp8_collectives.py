@@ -172,10 +172,16 @@ def fp8_sum_bound(inputs, scale):
     most half an ulp: 2**-4 |v| for normals (3 mantissa bits), 2**-10 below 2**-6 (spacing 2**-9).
     The ranks' values v_r = x_r * scale round once, their sum s is exact, s rounds once, and the
     result is s / scale (fp32: a relative 2**-23 covers the product, division and final cast)."""
-    v = [x.double() * scale for x in inputs]
-    phase1 = sum(2**-4 * vr.abs() + 2**-10 for vr in v)
+    phase1, v = _cast_error(inputs, scale)
     phase2 = 2**-4 * (sum(v).abs() + phase1) + 2**-10
     return (phase1 + phase2) / scale + 2**-22 * sum(vr.abs() for vr in v) / scale
+
+
+def _cast_error(inputs, scale):
+    """(largest summed error of casting each rank's ``x * scale`` to e4m3, in scaled units; the
+    scaled values)."""
+    v = [x.double() * scale for x in inputs]
+    return sum(2**-4 * vr.abs() + 2**-10 for vr in v), v
 
 
 def exact_sum(inputs):
@@ -356,8 +362,8 @@ def test_reduce_scatter_keeps_each_ranks_rows_of_the_sum_within_fp8_error(ranks,
     assert scale == pytest.approx(ref_scale(inputs, 1.0), rel=2**-22)
     divisor = WORLD if op == "avg" else 1
     exact = exact_sum(inputs) / divisor
-    v = [x.double() * scale for x in inputs]
-    bound = (sum(2**-4 * vr.abs() + 2**-10 for vr in v) / scale + 2**-22 * sum(vr.abs() for vr in v) / scale) / divisor
+    phase1, v = _cast_error(inputs, scale)  # one rounding per rank's value; the fp32 sum is exact
+    bound = (phase1 / scale + 2**-22 * sum(vr.abs() for vr in v) / scale) / divisor
     rows = inputs[0].shape[0] // WORLD
     for rank, r in enumerate(ranks):
         out = r["reduce_scatter"][op]["out"]
