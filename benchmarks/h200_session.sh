@@ -6,8 +6,11 @@
 #   fp8        FP8 linear / transformer-block benchmark against bf16 and torchao
 #   train124m  GPT 124M, 1000 steps: fp32 baseline, flashoptim, flashoptim + FP8
 #   peers      GPT 124M, 1000 steps: bf16 params and the peers (FlashOptim package, torchao AdamW8bit)
-#   variants   optimizer-step compile variants (exact vs approximate division, combo kernels, CUDA
-#              graphs) on the smaller parameter lists, and gradient release's peak memory
+#   variants   optimizer-step compile variants (exact vs approximate division, tuned block sizes) on
+#              16 x 2048^2 with per-kernel times, the kernels' registers and SASS instruction counts,
+#              and gradient release's peak memory
+#   tuning     CUDA graphs and tuned block sizes for the exact step (16 x 2048^2 and 3 GPT-2 layers),
+#              the kernels' registers and SASS instruction counts, gradient release's peak memory
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
 #              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
 set -uo pipefail
@@ -25,7 +28,7 @@ case $stage in
   tests)
     # --continue-on-collection-errors: a test file needing a package missing there (expecttest) is
     # reported, and the other GPU tests still run
-    timeout 360 python -m pytest -q -m gpu --continue-on-collection-errors tests 2>&1 | tee "$out/gpu_tests_h200.log"
+    timeout 360 python -m pytest -v -m gpu --continue-on-collection-errors tests 2>&1 | tee "$out/gpu_tests_h200.log"
     timeout 150 python benchmarks/gpu_check.py /tmp/inspect 2>&1 | tee "$out/gpu_check_h200.log"
     cp /tmp/inspect/optimizer_step_triton.py "$out/adamw_step_triton_h200.py.txt"
     ;;
@@ -46,9 +49,19 @@ case $stage in
       --out "$out/train_gpt_124m_more_h200.json" 2>&1 | tee "$out/train_gpt_124m_more_h200.log"
     ;;
   variants)
-    timeout 420 python benchmarks/optimizer_step.py --lists 16x2048x2048,gpt2_3layers \
-      --configs torch_fused_fp32,flashoptim,flashoptim_fastdiv,flashoptim_combo,flashoptim_cudagraphs \
+    timeout 330 python benchmarks/optimizer_step.py --lists 16x2048x2048 \
+      --configs torch_fused_fp32,flashoptim,flashoptim_fastdiv,flashoptim_coordesc \
       --out "$out/optimizer_step_variants_h200.json" 2>&1 | tee "$out/optimizer_step_variants_h200.log"
+    timeout 60 python benchmarks/kernel_resources.py --match lshift --out "$out/kernel_resources_h200.json"
+    timeout 150 python benchmarks/gradient_release.py --out "$out/gradient_release_h200.json" 2>&1 \
+      | tee "$out/gradient_release_h200.log"
+    ;;
+  tuning)
+    timeout 150 python benchmarks/optimizer_step.py --lists 16x2048x2048 --configs flashoptim_cudagraphs,flashoptim_tuned \
+      --out "$out/optimizer_step_tuning_h200.json" 2>&1 | tee "$out/optimizer_step_tuning_h200.log"
+    timeout 240 python benchmarks/optimizer_step.py --lists gpt2_3layers --configs torch_fused_fp32,flashoptim,flashoptim_tuned \
+      --out "$out/optimizer_step_tuning_gpt2_h200.json" 2>&1 | tee "$out/optimizer_step_tuning_gpt2_h200.log"
+    timeout 120 python benchmarks/kernel_resources.py --match lshift --out "$out/kernel_resources_h200.json"
     timeout 150 python benchmarks/gradient_release.py --out "$out/gradient_release_h200.json" 2>&1 \
       | tee "$out/gradient_release_h200.log"
     ;;

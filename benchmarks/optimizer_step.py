@@ -2,7 +2,8 @@
 
 Peer (when installed): the ``flashoptim`` package's FlashAdamW. Two parameter lists: 64 tensors of
 2048x2048 (268M parameters) and GPT-2-124M's 148 tensors. Each configuration runs in this one
-process; times are medians of ``triton.testing.do_bench``.
+process; times are medians of ``triton.testing.do_bench``. Each flashoptim configuration also
+reports its largest GPU kernels (``torch.profiler``), to tell kernel time from launch overhead.
 
     python benchmarks/optimizer_step.py --out benchmarks/results/optimizer_step.json
 
@@ -78,6 +79,18 @@ def bench_flashoptim_pypi(shapes):
     return {"ms": time_ms(opt.step), "compile_s": time.perf_counter() - t0}
 
 
+def kernel_times(step, top=4):
+    """The ``top`` GPU kernels of one call of ``step`` by total time: (name, calls, total µs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: -e.device_time_total)
+    return [(e.key[-48:], e.count, round(e.device_time_total, 1)) for e in events[:top]]
+
+
 def bench_flashoptim(shapes, foreach, options):
     params = make_params(shapes, torch.float32)
     model = torch.nn.ParameterList(params)
@@ -90,7 +103,7 @@ def bench_flashoptim(shapes, foreach, options):
     opt.step()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    return {"ms": time_ms(opt.step), "compile_s": compile_s,
+    return {"ms": time_ms(opt.step), "compile_s": compile_s, "kernels": kernel_times(opt.step),
             "memory": flash_inductor.memory_report(model, opt).per_param()}
 
 
@@ -100,7 +113,8 @@ def main():
     parser.add_argument("--lists", default="64x2048x2048,gpt2_124m")
     parser.add_argument("--configs", default="torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_pypi",
                         help="comma list of torch_fused_fp32, torch_fused_bf16, flashoptim, flashoptim_cudagraphs, "
-                             "flashoptim_fastdiv, flashoptim_combo, flashoptim_pypi (skipped when not installed)")
+                             "flashoptim_fastdiv, flashoptim_combo, flashoptim_coordesc, flashoptim_tuned, "
+                             "flashoptim_pypi (skipped when not installed)")
     args = parser.parse_args()
     bandwidth = measure_copy_bandwidth()
     info = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), copy_bandwidth_GBps=bandwidth / 1e9,
@@ -119,6 +133,11 @@ def main():
                 shapes, False, {"inductor": {"eager_numerics.division_rounding": False}}),
             # Inductor's horizontal fusion of independent kernels (fewer launches)
             "flashoptim_combo": lambda: bench_flashoptim(shapes, False, {"inductor": {"combo_kernels": True}}),
+            # Inductor searches block sizes and warps per kernel by timing them
+            "flashoptim_coordesc": lambda: bench_flashoptim(shapes, False, {"inductor": {"coordinate_descent_tuning": True}}),
+            # both: the exact numerics without launch overhead and with tuned kernels
+            "flashoptim_tuned": lambda: bench_flashoptim(
+                shapes, False, {"inductor": {"coordinate_descent_tuning": True, "triton.cudagraphs": True}}),
             "flashoptim_pypi": lambda: bench_flashoptim_pypi(shapes),
         }
         for name in args.configs.split(","):
@@ -137,6 +156,8 @@ def main():
             rows.append(row)
             print(f"{list_name:14s} {name:38s} {result['ms']:8.3f} ms  {row['achieved_GBps']:7.0f} GB/s  "
                   f"floor {floor_ms:.3f} ms  compile {result['compile_s']:.1f} s", flush=True)
+            for kernel in result.get("kernels", []):
+                print(f"    {kernel}", flush=True)
             with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
                 json.dump({"info": info, "rows": rows}, f, indent=1)
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s; wrote {args.out}")

@@ -474,7 +474,9 @@ def print_table(runs):
     print("memory columns in MiB (states include scales); train loss = mean of the last 10 steps")
 
 
-def save_plots(results, folder):
+def save_plots(results, folder, prefix=""):
+    """``{prefix}memory_breakdown.png`` and, for runs long enough to have a curve (three held-out
+    evaluations or more), ``{prefix}loss_curves.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -483,6 +485,14 @@ def save_plots(results, folder):
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     runs = results["runs"]
+    written = []
+    if all(len(r["heldout"]) >= 3 for r in runs.values()):
+        written.append(_plot_losses(plt, runs, folder / f"{prefix}loss_curves.png"))
+    written.append(_plot_memory(plt, results, folder / f"{prefix}memory_breakdown.png"))
+    print("wrote " + " and ".join(map(str, written)))
+
+
+def _plot_losses(plt, runs, path):
     fig, (ax_train, ax_held) = plt.subplots(1, 2, figsize=(13, 4.5))
     for name, r in runs.items():
         losses = r["train_loss"]
@@ -497,9 +507,13 @@ def save_plots(results, folder):
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(folder / "loss_curves.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
 
+
+def _plot_memory(plt, results, path):
+    runs = results["runs"]
     components = ("weights", "error_terms", "states", "state_scales", "grads", "activations")
     largest = max(sum(v or 0 for v in r["memory_bytes"].values()) for r in runs.values())
     unit, scale = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
@@ -511,14 +525,14 @@ def save_plots(results, folder):
         bottom = [b + v for b, v in zip(bottom, values)]
     info = results["info"]
     no_activations = " (activations: CUDA only)" if any(r["peak_bytes"] is None for r in runs.values()) else ""
-    ax.set(ylabel=unit, title=f"memory by component, {info['model']['num_params'] / 1e6:.3g}M parameters, "
+    ax.set(ylabel=unit, title=f"memory by component, {info['model']['num_params'] / 1e6:,.1f}M parameters, "
                               f"{info['device']}{no_activations}")
     ax.legend()
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
     fig.tight_layout()
-    fig.savefig(folder / "memory_breakdown.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    print(f"wrote {folder / 'loss_curves.png'} and {folder / 'memory_breakdown.png'}")
+    return path
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -544,6 +558,7 @@ def parse_args(argv):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="train_gpt.json")
     parser.add_argument("--plot", metavar="DIR", help="save loss_curves.png and memory_breakdown.png there")
+    parser.add_argument("--plot-prefix", default="", help="prefix of the plot files' names")
     parser.add_argument("--plot-from", nargs="+", metavar="JSON",
                         help="only plot (into --plot) the runs of these result files, e.g. of runs made in parts")
     parser.add_argument("--find-largest", action="store_true",
@@ -588,7 +603,7 @@ def write_json(results, path):
         json.dump(results, f, indent=1)
 
 
-def plot_from(paths, folder):
+def plot_from(paths, folder, prefix=""):
     """Merge the runs of several result files of the same model and plot them."""
     results = None
     for path in paths:
@@ -600,13 +615,13 @@ def plot_from(paths, folder):
             raise ValueError(f"{path}: model {part['info']['model']} differs from {results['info']['model']}")
         else:
             results["runs"].update(part["runs"])
-    save_plots(results, folder)
+    save_plots(results, folder, prefix)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.plot_from:
-        return plot_from(args.plot_from, args.plot or ".")
+        return plot_from(args.plot_from, args.plot or ".", args.plot_prefix)
     device = torch.device(args.device)
     corpus = load_corpus()
     corpus.train, corpus.heldout = corpus.train.to(device), corpus.heldout.to(device)
@@ -651,7 +666,7 @@ def main(argv=None):
     for name, reason in results["skipped"].items():
         print(f"skipped {name}: {reason}")
     if args.plot:
-        save_plots(results, args.plot)
+        save_plots(results, args.plot, args.plot_prefix)
     print(f"wrote {args.out}")
     return results
 

@@ -346,18 +346,28 @@ def evaluate_closure(closure):
         return closure()
 
 
+_RUN_STEPS = weakref.WeakSet()  # the compiled steps run so far (alive)
+_run_step_count = 0  # how many distinct compiled steps have run in this process, dead ones included
+
+
 def run_compiled_step(compiled):
     """Call a compiled optimizer step with a Dynamo cache large enough for every prepared step.
 
     Every optimizer of a class shares one Dynamo cache (one code object, guarded on ``self``), and
-    gradient release adds one single-parameter optimizer per parameter; past the recompile limit
-    Dynamo would silently run the step eagerly, without the passes. Float hyperparameters (betas,
-    weight decay, momentum) are specialized: a changed value recompiles the step, where Dynamo
-    would otherwise make it a graph input read with ``.item()``, which the passes cannot rewrite.
+    gradient release adds one single-parameter optimizer per parameter. Entries of optimizers that
+    were freed stay in that cache and count towards the limit, so the room is sized by every step
+    run so far (two entries each: a hook in CUDA's autograd thread runs under another grad mode).
+    Past the limit Dynamo would silently run the step eagerly, without the passes; it raises
+    instead. Float hyperparameters (betas, weight decay, momentum) are specialized: a changed value
+    recompiles the step, where Dynamo would otherwise make it a graph input read with ``.item()``,
+    which the passes cannot rewrite.
     """
-    steps = sum(1 + (len(r.gradient_release.group_index) if r.gradient_release else 0) for r in list(roles.PREPARED.values()))
+    global _run_step_count
+    if compiled not in _RUN_STEPS:
+        _RUN_STEPS.add(compiled)
+        _run_step_count += 1
     config = torch._dynamo.config
-    limit = max(config.recompile_limit, 2 * steps + 8)
+    limit = max(config.recompile_limit, 2 * _run_step_count + 8)
     with config.patch(recompile_limit=limit, accumulated_recompile_limit=max(config.accumulated_recompile_limit, limit),
                       fail_on_recompile_limit_hit=True, specialize_float=True):
         compiled()

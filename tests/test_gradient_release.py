@@ -12,6 +12,7 @@ The GPU test measures ``torch.cuda.max_memory_allocated`` with and without relea
 ``benchmarks/gradient_release.py`` (``python -m pytest -q -m gpu tests/test_gradient_release.py``).
 """
 
+import gc
 import importlib.util
 import pathlib
 
@@ -194,6 +195,26 @@ def test_a_gradient_that_bypassed_the_hooks_is_refused_at_step():
     assert [n for n, p in model.named_parameters() if p.grad is not None] == ["fc2.weight"]
     with pytest.raises(RuntimeError, match=r"'fc2.weight' has a gradient at optimizer.step\(\)"):
         opt.step()
+
+
+def test_steps_of_freed_release_optimizers_do_not_exhaust_the_recompile_limit():
+    """Dynamo keeps the compiled entries of single-parameter steps after their optimizer is freed;
+    they count towards the step code's recompile limit. A new prepared optimizer must still compile
+    its step (H200 run of benchmarks/gradient_release.py: it failed at the limit)."""
+
+    def train_once(release, layers):
+        model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(layers)])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        flash_inductor.prepare(model, opt, gradient_release=release, compile_options=EAGER)
+        before = model[0].weight.detach().clone()
+        _loss(model, torch.randn(2, 16, dtype=torch.bfloat16)).backward()
+        opt.step()
+        assert not torch.equal(model[0].weight, before)
+
+    layers = torch._dynamo.config.recompile_limit + 4
+    for release in (True, False, True):
+        gc.collect()  # frees the previous model and optimizers (their hooks form reference cycles)
+        train_once(release, layers)
 
 
 def test_option_value_is_checked():
