@@ -11,6 +11,7 @@
 #              and gradient release's peak memory
 #   tuning     CUDA graphs and tuned block sizes for the exact step (16 x 2048^2 and 3 GPT-2 layers),
 #              the kernels' registers and SASS instruction counts, gradient release's peak memory
+#   static     CUDA graphs for the step with the stored tensors marked static (4 x 2048^2; a probe)
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
 #              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
 set -uo pipefail
@@ -64,6 +65,10 @@ case $stage in
     timeout 120 python benchmarks/kernel_resources.py --match lshift --out "$out/kernel_resources_h200.json"
     timeout 150 python benchmarks/gradient_release.py --out "$out/gradient_release_h200.json" 2>&1 \
       | tee "$out/gradient_release_h200.log"
+    ;;
+  static)
+    timeout 200 python benchmarks/optimizer_step.py --lists 4x2048x2048 --configs flashoptim,flashoptim_static_cudagraphs \
+      --out "$out/optimizer_step_static_h200.json" 2>&1 | tee "$out/optimizer_step_static_h200.log"
     ;;
   large)
     timeout 200 python benchmarks/train_gpt.py --config 1b --steps 10 --warmup 4 --eval-every 10 --eval-batches 1 \
