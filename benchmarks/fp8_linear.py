@@ -8,7 +8,8 @@ In one process, for each shape (tokens x in_features -> out_features), three pee
                 torchao is installed (benchmark only; not a project dependency)
 
 Times are medians of ``triton.testing.do_bench`` over ``y = f(x); y.backward(dy)``; the SQNR of
-the output and of both gradients against the bf16 layer (same inputs) is measured in the same run.
+the output and of both gradients against the bf16 layer (same inputs) is measured in the same run,
+and each row lists its ten largest GPU kernels of one forward + backward (``torch.profiler``).
 The block rows time one pre-norm transformer block (attention + MLP, ``benchmarks/train_gpt.py``'s
 ``Block``) the same way.
 
@@ -31,6 +32,7 @@ import torch.nn as nn
 from flash_inductor.formats import fp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from gpu_profile import kernel_times  # noqa: E402
 from train_gpt import Block, GPTConfig  # noqa: E402
 
 LINEAR_SHAPES = [  # (tokens, in_features, out_features): DESIGN.md's anchor shapes
@@ -88,7 +90,8 @@ def measure(name, make_module, x, dy, smoke):
     out = fwd_bwd(module, x, dy)
     compile_s = time.perf_counter() - t0
     ms = time_ms(lambda: fwd_bwd(module, x, dy), smoke)
-    return {"ms": ms, "compile_s": compile_s}, out
+    kernels = [] if smoke else kernel_times(lambda: fwd_bwd(module, x, dy), top=10)
+    return {"ms": ms, "compile_s": compile_s, "kernels": kernels}, out
 
 
 def sqnr(reference, approx):
@@ -119,6 +122,8 @@ def run_case(kind, shape, make_module, make_input, peers, smoke):
         speedup = f"{row['speedup_vs_bf16']:.2f}x" if row["speedup_vs_bf16"] else "-"
         print(f"{kind:6s} {str(shape):24s} {row['peer']:10s} {row['ms']:9.3f} ms  {speedup:>6s}  "
               f"compile {row['compile_s']:5.1f} s  {extra}", flush=True)
+        for kernel in row["kernels"]:
+            print(f"    {kernel}", flush=True)
     return rows
 
 

@@ -21,6 +21,7 @@ import platform
 import time
 
 import torch
+from gpu_profile import kernel_times
 
 import flash_inductor
 
@@ -78,18 +79,6 @@ def bench_flashoptim_pypi(shapes):
     opt.step()
     torch.cuda.synchronize()
     return {"ms": time_ms(opt.step), "compile_s": time.perf_counter() - t0}
-
-
-def kernel_times(step, top=4):
-    """The ``top`` GPU kernels of one call of ``step`` by total time: (name, calls, total µs)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    events.sort(key=lambda e: -e.device_time_total)
-    return [(e.key[-48:], e.count, round(e.device_time_total, 1)) for e in events[:top]]
 
 
 def mark_stored_tensors_static(model, opt):
