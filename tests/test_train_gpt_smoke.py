@@ -112,3 +112,21 @@ def test_find_largest_doubles_then_bisects(train_gpt, monkeypatch, limit):
     assert result["largest_layers"] == (min(limit, 512) or None)
     assert result["capped"] == (limit >= 512)
     assert len(tried) == len(set(tried)) <= 14
+
+
+def test_plots_have_a_prefix_and_loss_curves_need_three_evaluations(train_gpt, tmp_path):
+    pytest.importorskip("matplotlib")
+    run = {"train_loss": [3.0, 2.5, 2.0], "heldout": [{"step": 0, "loss": 3.0}, {"step": 3, "loss": 2.0}],
+           "peak_bytes": None, "memory_bytes": {"weights": 2**20, "error_terms": 2**19, "states": 2**20,
+                                                "state_scales": 2**15, "grads": 2**20, "activations": None}}
+    results = {"info": {"model": {"num_params": 10**6}, "device": "cpu"}, "runs": {"a": run, "b": run}}
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(results))
+    train_gpt.plot_from([short], tmp_path, "short_")
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["short_memory_breakdown.png"]
+
+    run["heldout"].append({"step": 6, "loss": 1.5})
+    long = tmp_path / "long.json"
+    long.write_text(json.dumps(results))
+    train_gpt.plot_from([long], tmp_path, "long_")
+    assert sorted(p.name for p in tmp_path.glob("long_*.png")) == ["long_loss_curves.png", "long_memory_breakdown.png"]
