@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import flash_inductor
 from flash_inductor import roles
 from flash_inductor.formats import split_weights
-from helpers import EAGER, Net
+from helpers import EAGER, Net, stored_bits
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -61,3 +61,33 @@ def test_half_precision_models_keep_their_dtype_and_gain_masters(dtype):
     master_error = (master - reference.weight).abs().max()
     plain_error = (plain.weight.float() - reference.weight).abs().max()
     assert master_error * 10 < plain_error, (master_error, plain_error)
+
+
+@pytest.mark.slow
+def test_a_restarted_run_compiles_the_prepared_step_from_inductors_cache(tmp_path, monkeypatch):
+    """The first step compiles for minutes on large models; a restart (fresh Dynamo, new objects of
+    the same shapes and options) takes the step from Inductor's FX graph cache and stores the same
+    bits (CPU: 24.8 s -> 5.0 s for 4 tensors)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def run():
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Linear(64, 128, bias=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        flash_inductor.prepare(model, opt)
+        model.weight.grad = torch.randn_like(model.weight)
+        opt.step()
+        return {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}, stored_bits(model, opt)
+
+    first_counts, first = run()
+    second_counts, second = run()
+    assert first_counts == {"fxgraph_cache_miss": 1}
+    assert second_counts == {"fxgraph_cache_hit": 1}
+    assert first.keys() == second.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+    torch._dynamo.reset()
