@@ -12,6 +12,8 @@
 #   tuning     CUDA graphs and tuned block sizes for the exact step (16 x 2048^2 and 3 GPT-2 layers),
 #              the kernels' registers and SASS instruction counts, gradient release's peak memory
 #   static     CUDA graphs for the step with the stored tensors marked static (4 x 2048^2; a probe)
+#   launch     the step's launch overhead: C++ wrapper and combo kernels (16 x 2048^2, 3 GPT-2 layers)
+#   seeds      GPT 124M, 1000 steps, seed 1: fp32 baseline and flashoptim (the loss gap of one run)
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
 #              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
 set -uo pipefail
@@ -69,6 +71,17 @@ case $stage in
   static)
     timeout 200 python benchmarks/optimizer_step.py --lists 4x2048x2048 --configs flashoptim,flashoptim_static_cudagraphs \
       --out "$out/optimizer_step_static_h200.json" 2>&1 | tee "$out/optimizer_step_static_h200.log"
+    ;;
+  launch)
+    timeout 280 python benchmarks/optimizer_step.py --lists 16x2048x2048 --configs flashoptim,flashoptim_cppwrapper,flashoptim_combo \
+      --out "$out/optimizer_step_launch_h200.json" 2>&1 | tee "$out/optimizer_step_launch_h200.log"
+    timeout 280 python benchmarks/optimizer_step.py --lists gpt2_3layers --configs flashoptim_cppwrapper,flashoptim_combo \
+      --out "$out/optimizer_step_launch_gpt2_h200.json" 2>&1 | tee "$out/optimizer_step_launch_gpt2_h200.log"
+    ;;
+  seeds)
+    timeout 570 python benchmarks/train_gpt.py --config 124m --steps 1000 --eval-every 100 --seed 1 \
+      --configs fp32_fused_autocast,flashoptim \
+      --out "$out/train_gpt_124m_seed1_h200.json" 2>&1 | tee "$out/train_gpt_124m_seed1_h200.log"
     ;;
   large)
     timeout 200 python benchmarks/train_gpt.py --config 1b --steps 10 --warmup 4 --eval-every 10 --eval-batches 1 \

@@ -126,7 +126,7 @@ def main():
     parser.add_argument("--configs", default="torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_pypi",
                         help="comma list of torch_fused_fp32, torch_fused_bf16, flashoptim, flashoptim_cudagraphs, "
                              "flashoptim_fastdiv, flashoptim_combo, flashoptim_coordesc, flashoptim_tuned, "
-                             "flashoptim_static_cudagraphs, "
+                             "flashoptim_static_cudagraphs, flashoptim_cppwrapper, "
                              "flashoptim_pypi (skipped when not installed)")
     args = parser.parse_args()
     bandwidth = measure_copy_bandwidth()
@@ -144,6 +144,8 @@ def main():
             # approximate fp32 division in the encodes (codes may differ from eager's by one)
             "flashoptim_fastdiv": lambda: bench_flashoptim(
                 shapes, False, {"inductor": {"eager_numerics.division_rounding": False}}),
+            # kernels launched from a C++ wrapper instead of Inductor's Python one (less CPU per launch)
+            "flashoptim_cppwrapper": lambda: bench_flashoptim(shapes, False, {"inductor": {"cpp_wrapper": True}}),
             # Inductor's horizontal fusion of independent kernels (fewer launches)
             "flashoptim_combo": lambda: bench_flashoptim(shapes, False, {"inductor": {"combo_kernels": True}}),
             # Inductor searches block sizes and warps per kernel by timing them
