@@ -4,6 +4,7 @@ In one process, for each shape (tokens x in_features -> out_features), these pee
 
     bf16        nn.Linear in bf16, torch.compile (Inductor)
     flashoptim  the same module through backend="flashoptim" with fp8="tensorwise"
+    flashoptim_fast_accum  the same with fp8_fast_accum=True (torchao's forward accumulation mode)
     flashoptim_delayed  the same with fp8="delayed" (amax histories of 16)
     torchao     torchao.float8.convert_to_float8_training (tensorwise) + torch.compile, when
                 torchao is installed (benchmark only; not a project dependency)
@@ -48,6 +49,11 @@ def flashoptim(module):
     return torch.compile(module, backend="flashoptim", options={"fp8": "tensorwise", "fp8_min_weight_numel": 0})
 
 
+def flashoptim_fast_accum(module):
+    return torch.compile(module, backend="flashoptim", options={
+        "fp8": "tensorwise", "fp8_min_weight_numel": 0, "fp8_fast_accum": True})
+
+
 def flashoptim_delayed(module):
     import flash_inductor
 
@@ -64,8 +70,8 @@ def torchao_float8(module):
     return torch.compile(convert_to_float8_training(module))
 
 
-PEERS = {"bf16": inductor, "flashoptim": flashoptim, "flashoptim_delayed": flashoptim_delayed,
-         "torchao": torchao_float8}
+PEERS = {"bf16": inductor, "flashoptim": flashoptim, "flashoptim_fast_accum": flashoptim_fast_accum,
+         "flashoptim_delayed": flashoptim_delayed, "torchao": torchao_float8}
 
 
 def time_ms(fn, smoke):
@@ -128,7 +134,7 @@ def run_case(kind, shape, make_module, make_input, peers, smoke):
     for row in rows:
         extra = "  ".join(f"{k} {row[k]:.1f}" for k in ("sqnr_out_db", "sqnr_dx_db", "sqnr_dw_min_db") if k in row)
         speedup = f"{row['speedup_vs_bf16']:.2f}x" if row["speedup_vs_bf16"] else "-"
-        print(f"{kind:6s} {str(shape):24s} {row['peer']:18s} {row['ms']:9.3f} ms  {speedup:>6s}  "
+        print(f"{kind:6s} {str(shape):24s} {row['peer']:21s} {row['ms']:9.3f} ms  {speedup:>6s}  "
               f"compile {row['compile_s']:5.1f} s  {extra}", flush=True)
         for kernel in row["kernels"]:
             print(f"    {kernel}", flush=True)

@@ -62,9 +62,10 @@ def _quantize(t, dtype, power_of_two, history=None, scales=None, row=None):
     return fp8.cast_to_fp8(t, scale, dtype), scale.reciprocal()
 
 
-def _scaled_mm(a, a_inv_scale, b_t, b_inv_scale):
-    """``a @ b_t`` in bf16 (fp32 accumulation); ``b_t`` is column-major."""
-    return torch._scaled_mm(a, b_t, scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=torch.bfloat16)
+def _scaled_mm(a, a_inv_scale, b_t, b_inv_scale, fast_accum=False):
+    """``a @ b_t`` in bf16 (fp32 accumulation unless ``fast_accum``); ``b_t`` is column-major."""
+    return torch._scaled_mm(a, b_t, scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
 
 
 def _col_major(t):
@@ -81,7 +82,7 @@ def _output_dtype(x, weight):
 
 class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, power_of_two, amax_history, scale, grad_amax_history, grad_scale):
+    def forward(ctx, x, weight, bias, power_of_two, fast_accum, amax_history, scale, grad_amax_history, grad_scale):
         x2 = x.reshape(-1, x.shape[-1])
         x_fp8, x_inv = _quantize(x2, fp8.E4M3, power_of_two, amax_history, scale, 0)
         w_fp8, w_inv = _quantize(weight, fp8.E4M3, power_of_two, amax_history, scale, 1)
@@ -92,7 +93,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.power_of_two = power_of_two
         ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        out = _scaled_mm(x_fp8, x_inv, w_fp8.t(), w_inv)
+        out = _scaled_mm(x_fp8, x_inv, w_fp8.t(), w_inv, fast_accum)
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(_output_dtype(x, weight))
@@ -105,16 +106,18 @@ class Fp8LinearFunction(torch.autograd.Function):
         grad_x = _scaled_mm(g_fp8, g_inv, _col_major(w_fp8), w_inv).reshape(ctx.input_shape)
         grad_w = _scaled_mm(g_fp8.t().contiguous(), g_inv, _col_major(x_fp8), x_inv)
         grad_b = None if ctx.bias_dtype is None else g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x.to(ctx.input_dtype), grad_w.to(ctx.weight_dtype), grad_b, None, None, None, None, None
+        return grad_x.to(ctx.input_dtype), grad_w.to(ctx.weight_dtype), grad_b, None, None, None, None, None, None
 
 
-def fp8_linear(x, weight, bias=None, *, power_of_two=False, amax_history=None, scale=None,
+def fp8_linear(x, weight, bias=None, *, power_of_two=False, fast_accum=False, amax_history=None, scale=None,
                grad_amax_history=None, grad_scale=None):
     """``F.linear(x, weight, bias)`` with FP8 GEMMs in forward and backward.
 
     Current scaling by default. Delayed scaling with the layer's state (``fp8_delayed``):
     ``amax_history`` [2, L] and ``scale`` [2] for x and w (rows 0 and 1), ``grad_amax_history``
     [1, L] and ``grad_scale`` [1] for the grad-output, all fp32 and updated in place.
-    ``power_of_two``: scales rounded down to powers of two.
+    ``power_of_two``: scales rounded down to powers of two. ``fast_accum``: the forward GEMM in the
+    tensor cores' fast (lower-precision) accumulation mode, as torchao's default output GEMM.
     """
-    return Fp8LinearFunction.apply(x, weight, bias, power_of_two, amax_history, scale, grad_amax_history, grad_scale)
+    return Fp8LinearFunction.apply(x, weight, bias, power_of_two, fast_accum, amax_history, scale, grad_amax_history,
+                                   grad_scale)

@@ -24,6 +24,9 @@ class Options:
         the layers (``flash_inductor.prepare_fp8`` makes them).
     fp8_history_length: amax history window of delayed scaling (positive int).
     fp8_power_of_two_scales: round FP8 scales down to powers of two (MS-AMP).
+    fp8_fast_accum: the forward GEMM accumulates in the tensor cores' faster, lower-precision mode
+        (``_scaled_mm(use_fast_accum=True)``, torchao's default for the output GEMM); the gradient
+        GEMMs always accumulate in fp32.
     fp8_min_weight_numel: smallest weight (elements) worth an FP8 GEMM.
     fp8_exclude: fnmatch patterns of module names kept in bf16 (e.g. the first and last layers).
     fp8_filter: callable(module name) -> bool; False keeps that linear in bf16.
@@ -38,6 +41,7 @@ class Options:
     fp8: str | None = None
     fp8_history_length: int = HISTORY_LENGTH
     fp8_power_of_two_scales: bool = False
+    fp8_fast_accum: bool = False
     fp8_min_weight_numel: int = 1 << 20
     fp8_exclude: tuple[str, ...] = ()
     fp8_filter: Any = None
@@ -89,7 +93,8 @@ class Options:
             disable=tuple(disable), inductor=tuple(inductor), dump=dump, compiler=compiler, fp8=fp8,
             fp8_min_weight_numel=int(options.get("fp8_min_weight_numel", cls.fp8_min_weight_numel)),
             fp8_exclude=tuple(exclude), fp8_filter=fp8_filter, fp8_history_length=history,
-            fp8_power_of_two_scales=power_of_two, fp8_collectives=_flag(options, "fp8_collectives"),
+            fp8_power_of_two_scales=power_of_two, fp8_fast_accum=_flag(options, "fp8_fast_accum"),
+            fp8_collectives=_flag(options, "fp8_collectives"),
         )
 
     def enabled(self, pass_name):

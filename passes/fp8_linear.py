@@ -29,7 +29,8 @@ elements (smaller GEMMs do not pay for the casts), and its module name passes ``
 (fnmatch patterns, e.g. the first and last layers) and ``fp8_filter`` (a callable on the module
 name, like torchao's ``module_filter_fn``); with ``fp8="delayed"`` it must also have delayed-scaling
 state (else it stays bf16, with a warning that says how to add it). Every linear's decision is
-recorded for inspection.
+recorded for inspection. Option ``fp8_fast_accum`` adds ``fast_accum=True`` (the forward GEMM in
+the tensor cores' fast accumulation mode).
 """
 
 import functools
@@ -124,6 +125,8 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
         node = nodes[name]
         x, weight, bias = _as_linear(node)
         kwargs = {"power_of_two": ctx.options.fp8_power_of_two_scales}
+        if ctx.options.fp8_fast_accum:
+            kwargs["fast_accum"] = True
         if ctx.options.fp8 == "delayed":
             kwargs.update(_bind_delayed_state(gm, weight, graph_utils.input_name(weight), ctx, bound))
         with gm.graph.inserting_before(node):

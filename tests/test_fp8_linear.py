@@ -56,6 +56,32 @@ def test_size_threshold_keeps_small_layers_in_bf16():
     assert decision == f"bf16: weight 64x64 is under fp8_min_weight_numel={1 << 20}"
 
 
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_fast_accum_option_reaches_the_forward_gemm_only(fast_accum, monkeypatch):
+    """Option ``fp8_fast_accum``: the forward GEMM runs with ``use_fast_accum=True`` (torchao's
+    default for the output GEMM); both gradient GEMMs keep fp32 accumulation."""
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def recording_scaled_mm(*args, use_fast_accum=False, **kwargs):
+        calls.append(use_fast_accum)
+        return scaled_mm(*args, use_fast_accum=use_fast_accum, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording_scaled_mm)
+    model = nn.Linear(64, 128)
+    compiled = flash_inductor.compile(model, **EAGER, fp8="tensorwise", fp8_min_weight_numel=0, fp8_fast_accum=fast_accum)
+    out = compiled(torch.randn(4, 64))
+    forward_calls = list(calls)  # Dynamo's trace (fake tensors) and the run
+    out.sum().backward()
+    assert forward_calls and set(forward_calls) == {fast_accum}
+    assert calls[len(forward_calls):] == [False, False]  # grad-input and grad-weight GEMMs
+
+
+def test_fast_accum_option_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"option 'fp8_fast_accum' must be True or False"):
+        flash_inductor.compile(nn.Linear(64, 64), fp8="tensorwise", fp8_fast_accum="yes")
+
+
 def _sqnr(reference, approx):
     return fp8.sqnr_db(reference.float(), approx.float())
 
