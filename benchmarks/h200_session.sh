@@ -14,6 +14,7 @@
 #   static     CUDA graphs for the step with the stored tensors marked static (4 x 2048^2; a probe)
 #   launch     the step's launch overhead: C++ wrapper and combo kernels (16 x 2048^2, 3 GPT-2 layers)
 #   seeds      GPT 124M, 1000 steps, seed 1: fp32 baseline and flashoptim (the loss gap of one run)
+#   release    GPT 1.2B memory with gradient release (as `large`'s first half; compare with its JSON)
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
 #              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
 set -uo pipefail
@@ -82,6 +83,11 @@ case $stage in
     timeout 570 python benchmarks/train_gpt.py --config 124m --steps 1000 --eval-every 100 --seed 1 \
       --configs fp32_fused_autocast,flashoptim \
       --out "$out/train_gpt_124m_seed1_h200.json" 2>&1 | tee "$out/train_gpt_124m_seed1_h200.log"
+    ;;
+  release)
+    timeout 300 python benchmarks/train_gpt.py --config 1b --steps 10 --warmup 4 --eval-every 10 --eval-batches 1 \
+      --configs flashoptim_release --no-inductor \
+      --out "$out/train_gpt_1b_release_eager_h200.json" 2>&1 | tee "$out/train_gpt_1b_release_eager_h200.log"
     ;;
   large)
     timeout 200 python benchmarks/train_gpt.py --config 1b --steps 10 --warmup 4 --eval-every 10 --eval-batches 1 \

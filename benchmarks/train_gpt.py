@@ -10,6 +10,7 @@ the same batches (same seed), one after another in this one process:
     bf16_adamw           bf16 params, stock torch AdamW (no master weights); torch.compile
     flashoptim           flash_inductor: bf16 + 24-bit split masters, 8-bit states; @train_step
     flashoptim_fp8       flashoptim + FP8 (tensorwise) linears, embedding and LM head excluded
+    flashoptim_release   flashoptim with gradient release (each parameter updated in backward)
     flashoptim_pypi      peer: the ``flashoptim`` package's FlashAdamW (CUDA only); compiled model
     torchao_adamw8bit    peer: torchao.optim.AdamW8bit on bf16 params (stochastic rounding);
                          compiled model
@@ -217,13 +218,19 @@ def build_bf16_adamw(model, args):
     return Setup(model, opt, compiled(make_step(model, opt), args))
 
 
-def build_flashoptim(model, args, **options):
+def build_flashoptim(model, args, gradient_release=False, **options):
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args))
     if args.no_inductor:  # eager model; the prepared step runs the rewritten graph op by op
-        flash_inductor.prepare(model, opt, compile_options={**options, "compiler": "eager"})
+        flash_inductor.prepare(model, opt, gradient_release=gradient_release,
+                               compile_options={**options, "compiler": "eager"})
         return Setup(model, opt, make_step(model, opt))
-    step = flash_inductor.train_step(make_step(model, opt), model=model, optimizer=opt, **options)
+    step = flash_inductor.train_step(make_step(model, opt), model=model, optimizer=opt,
+                                     gradient_release=gradient_release, **options)
     return Setup(model, opt, step, record_fp8="fp8" in options)
+
+
+def build_flashoptim_release(model, args):
+    return build_flashoptim(model, args, gradient_release=True)
 
 
 def build_flashoptim_fp8(model, args):
@@ -260,10 +267,10 @@ CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args
     "bf16_adamw": build_bf16_adamw,
     "flashoptim": build_flashoptim,
     "flashoptim_fp8": build_flashoptim_fp8,
+    "flashoptim_release": build_flashoptim_release,
     "flashoptim_pypi": build_flashoptim_pypi,
     "torchao_adamw8bit": build_torchao_adamw8bit,
 }
-PROJECT_CONFIGURATIONS = ("fp32_fused_autocast", "bf16_adamw", "flashoptim", "flashoptim_fp8")
 
 
 def _nbytes(t):
