@@ -11,8 +11,7 @@
 #              and gradient release's peak memory
 #   tuning     CUDA graphs and tuned block sizes for the exact step (16 x 2048^2 and 3 GPT-2 layers),
 #              the kernels' registers and SASS instruction counts, gradient release's peak memory
-#   static     CUDA graphs for the step with the stored tensors marked static (4 x 2048^2; a probe)
-#   launch     the step's launch overhead: C++ wrapper and combo kernels (16 x 2048^2, 3 GPT-2 layers)
+#   launch     the step's launch overhead: CUDA graphs and combo kernels (16 x 2048^2, 3 GPT-2 layers)
 #   seeds      GPT 124M, 1000 steps, seed 1: fp32 baseline and flashoptim (the loss gap of one run)
 #   release    GPT 1.2B memory with gradient release (as `large`'s first half; compare with its JSON)
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
@@ -69,14 +68,10 @@ case $stage in
     timeout 150 python benchmarks/gradient_release.py --out "$out/gradient_release_h200.json" 2>&1 \
       | tee "$out/gradient_release_h200.log"
     ;;
-  static)
-    timeout 200 python benchmarks/optimizer_step.py --lists 4x2048x2048 --configs flashoptim,flashoptim_static_cudagraphs \
-      --out "$out/optimizer_step_static_h200.json" 2>&1 | tee "$out/optimizer_step_static_h200.log"
-    ;;
   launch)
-    timeout 280 python benchmarks/optimizer_step.py --lists 16x2048x2048 --configs flashoptim,flashoptim_cppwrapper,flashoptim_combo \
+    timeout 280 python benchmarks/optimizer_step.py --lists 16x2048x2048 --configs flashoptim,flashoptim_cudagraphs,flashoptim_combo \
       --out "$out/optimizer_step_launch_h200.json" 2>&1 | tee "$out/optimizer_step_launch_h200.log"
-    timeout 280 python benchmarks/optimizer_step.py --lists gpt2_3layers --configs flashoptim_cppwrapper,flashoptim_combo \
+    timeout 280 python benchmarks/optimizer_step.py --lists gpt2_3layers --configs flashoptim_cudagraphs,flashoptim_combo \
       --out "$out/optimizer_step_launch_gpt2_h200.json" 2>&1 | tee "$out/optimizer_step_launch_gpt2_h200.log"
     ;;
   seeds)

@@ -81,34 +81,12 @@ def bench_flashoptim_pypi(shapes):
     return {"ms": time_ms(opt.step), "compile_s": time.perf_counter() - t0}
 
 
-def mark_stored_tensors_static(model, opt):
-    """Mark the tensors a prepared step mutates (states' codes and scales, error terms, step counters)
-    as static addresses, so Inductor's CUDA graphs need not skip the step for mutated inputs. An
-    experiment: the library does not do this yet."""
-    from flash_inductor.formats.state_tensor import StateTensor
-    from flash_inductor.roles import PREPARED
-
-    record = PREPARED[opt]
-    stored = [record.error_term(p) for p in model.parameters()]
-    for state in opt.state.values():
-        for value in state.values():
-            if isinstance(value, StateTensor):
-                stored += [getattr(value, name) for name in value.__tensor_flatten__()[0]]
-            elif isinstance(value, torch.Tensor):
-                stored.append(value)
-    for t in stored:
-        if t is not None:
-            torch._dynamo.mark_static_address(t, guard=False)
-
-
-def bench_flashoptim(shapes, foreach, options, static=False):
+def bench_flashoptim(shapes, foreach, options):
     params = make_params(shapes, torch.float32)
     model = torch.nn.ParameterList(params)
     grads = [p.grad.to(torch.bfloat16) for p in params]
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=foreach)
     flash_inductor.prepare(model, opt, compile_options=options)  # tensors under 4096 elements keep fp32 states
-    if static:
-        mark_stored_tensors_static(model, opt)
     for p, g in zip(params, grads):
         p.grad = g
     t0 = time.perf_counter()
@@ -126,7 +104,7 @@ def main():
     parser.add_argument("--configs", default="torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_pypi",
                         help="comma list of torch_fused_fp32, torch_fused_bf16, flashoptim, flashoptim_cudagraphs, "
                              "flashoptim_fastdiv, flashoptim_combo, flashoptim_coordesc, flashoptim_tuned, "
-                             "flashoptim_static_cudagraphs, flashoptim_cppwrapper, "
+                             "flashoptim_cppwrapper, "
                              "flashoptim_pypi (skipped when not installed)")
     args = parser.parse_args()
     bandwidth = measure_copy_bandwidth()
@@ -150,9 +128,6 @@ def main():
             "flashoptim_combo": lambda: bench_flashoptim(shapes, False, {"inductor": {"combo_kernels": True}}),
             # Inductor searches block sizes and warps per kernel by timing them
             "flashoptim_coordesc": lambda: bench_flashoptim(shapes, False, {"inductor": {"coordinate_descent_tuning": True}}),
-            # CUDA graphs with the stored tensors marked static (otherwise Inductor skips the graphs)
-            "flashoptim_static_cudagraphs": lambda: bench_flashoptim(
-                shapes, False, {"inductor": {"triton.cudagraphs": True}}, static=True),
             # both: the exact numerics without launch overhead and with tuned kernels
             "flashoptim_tuned": lambda: bench_flashoptim(
                 shapes, False, {"inductor": {"coordinate_descent_tuning": True, "triton.cudagraphs": True}}),

@@ -14,10 +14,24 @@ BOUND_LOOKUP = "flashoptim_bound_lookup"
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule with a copy of ``gm``'s graph, so a pass never edits its input."""
+    """A new GraphModule with a copy of ``gm``'s graph, so a pass never edits its input.
+
+    Dynamo's metadata travels with it (the module's ``meta`` and ``_param_name_to_source``, each
+    placeholder's ``_dynamo_source``): from it AOTAutograd learns which inputs are static
+    (parameters, optimizer states), which CUDA graphs need; without it every mutated input of a
+    rewritten graph counted as non-static and Inductor skipped CUDA graphs.
+    """
     graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph, gm.__class__.__name__)
+    copies = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    copied = fx.GraphModule(gm, graph, gm.__class__.__name__)
+    copied.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copied._param_name_to_source = gm._param_name_to_source
+    for node, copy in copies.items():
+        if hasattr(node, "_dynamo_source"):
+            copy._dynamo_source = node._dynamo_source
+    return copied
 
 
 def input_name(node: fx.Node):
@@ -53,6 +67,10 @@ def add_bound_placeholder(graph: fx.Graph, name, tensor, lookup=None):
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last):
         node = graph.placeholder(name)
+    # No user-code source; a static input (error terms, FP8 state: tensors that live as long as
+    # their parameter), as AOTAutograd reads it off Dynamo's placeholder metadata.
+    node._dynamo_source = None
+    node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
     node.meta[BOUND_INPUT] = tensor
     if lookup is not None:
         node.meta[BOUND_LOOKUP] = lookup

@@ -91,3 +91,29 @@ def test_a_restarted_run_compiles_the_prepared_step_from_inductors_cache(tmp_pat
     for key in first:
         assert torch.equal(first[key], second[key]), key
     torch._dynamo.reset()
+
+
+def test_every_input_a_prepared_step_writes_is_static_for_cuda_graphs(monkeypatch):
+    """The passes copy the Dynamo graph; Dynamo's metadata must survive (and the error-term
+    placeholders they add be marked static), or AOTAutograd sees no static input and Inductor skips
+    CUDA graphs for the step ("mutated inputs", seen on the H200)."""
+    import flash_inductor.backend as backend
+
+    seen = []
+    compile_fx_inner = backend.compile_fx_inner
+
+    def spy(gm, example_inputs, **kwargs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        written = {n.args[0] for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default}
+        seen.append(({i for i, n in enumerate(placeholders) if n in written}, set(kwargs.get("static_input_idxs") or ())))
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(backend, "compile_fx_inner", spy)
+    model = nn.Linear(64, 128, bias=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    flash_inductor.prepare(model, opt)
+    model.weight.grad = torch.randn_like(model.weight)
+    opt.step()
+    ((written, static),) = seen
+    # weight, error term, step counter, codes and scales of both moments
+    assert len(written) == 7 and written <= static
