@@ -6,6 +6,7 @@ In one process, for each shape (tokens x in_features -> out_features), these pee
     flashoptim  the same module through backend="flashoptim" with fp8="tensorwise"
     flashoptim_fast_accum  the same with fp8_fast_accum=True (torchao's forward accumulation mode)
     flashoptim_delayed  the same with fp8="delayed" (amax histories of 16)
+    flashoptim_delayed_fast_accum  delayed scaling and fp8_fast_accum=True
     torchao     torchao.float8.convert_to_float8_training (tensorwise) + torch.compile, when
                 torchao is installed (benchmark only; not a project dependency)
 
@@ -45,19 +46,11 @@ SMOKE_LINEAR_SHAPES = [(64, 64, 128)]
 SMOKE_BLOCK_SHAPES = [(2, 32, 64, 4)]
 
 
-def flashoptim(module):
-    return torch.compile(module, backend="flashoptim", options={"fp8": "tensorwise", "fp8_min_weight_numel": 0})
-
-
-def flashoptim_fast_accum(module):
-    return torch.compile(module, backend="flashoptim", options={
-        "fp8": "tensorwise", "fp8_min_weight_numel": 0, "fp8_fast_accum": True})
-
-
-def flashoptim_delayed(module):
+def flashoptim(**options):
+    """The module through backend="flashoptim" with these FP8 options (every linear eligible)."""
     import flash_inductor
 
-    return flash_inductor.compile(module, fp8="delayed", fp8_min_weight_numel=0)
+    return lambda module: flash_inductor.compile(module, fp8_min_weight_numel=0, **options)
 
 
 def inductor(module):
@@ -70,8 +63,14 @@ def torchao_float8(module):
     return torch.compile(convert_to_float8_training(module))
 
 
-PEERS = {"bf16": inductor, "flashoptim": flashoptim, "flashoptim_fast_accum": flashoptim_fast_accum,
-         "flashoptim_delayed": flashoptim_delayed, "torchao": torchao_float8}
+PEERS = {
+    "bf16": inductor,
+    "flashoptim": flashoptim(fp8="tensorwise"),
+    "flashoptim_fast_accum": flashoptim(fp8="tensorwise", fp8_fast_accum=True),
+    "flashoptim_delayed": flashoptim(fp8="delayed"),
+    "flashoptim_delayed_fast_accum": flashoptim(fp8="delayed", fp8_fast_accum=True),
+    "torchao": torchao_float8,
+}
 
 
 def time_ms(fn, smoke):
@@ -134,7 +133,7 @@ def run_case(kind, shape, make_module, make_input, peers, smoke):
     for row in rows:
         extra = "  ".join(f"{k} {row[k]:.1f}" for k in ("sqnr_out_db", "sqnr_dx_db", "sqnr_dw_min_db") if k in row)
         speedup = f"{row['speedup_vs_bf16']:.2f}x" if row["speedup_vs_bf16"] else "-"
-        print(f"{kind:6s} {str(shape):24s} {row['peer']:21s} {row['ms']:9.3f} ms  {speedup:>6s}  "
+        print(f"{kind:6s} {str(shape):24s} {row['peer']:29s} {row['ms']:9.3f} ms  {speedup:>6s}  "
               f"compile {row['compile_s']:5.1f} s  {extra}", flush=True)
         for kernel in row["kernels"]:
             print(f"    {kernel}", flush=True)

@@ -2,6 +2,7 @@
 # The H200 runs behind docs/benchmarks.md, by stage: bash benchmarks/h200_session.sh STAGE [OUT]
 # Peers (torchao, flashoptim) are installed from wheels in .whl/ when present (see docs/benchmarks.md).
 #   tests      GPU tests and the Triton code of a train step
+#   verify     GPU tests and the CUDA-graphed step on 16 x 2048^2 (a short check after a change)
 #   optimizer  optimizer-step benchmark (both parameter lists of issue 3)
 #   fp8        FP8 linear / transformer-block benchmark against bf16 and torchao
 #   train124m  GPT 124M, 1000 steps: fp32 baseline, flashoptim, flashoptim + FP8
@@ -11,7 +12,8 @@
 #              and gradient release's peak memory
 #   tuning     CUDA graphs and tuned block sizes for the exact step (16 x 2048^2 and 3 GPT-2 layers),
 #              the kernels' registers and SASS instruction counts, gradient release's peak memory
-#   launch     the step's launch overhead: CUDA graphs and combo kernels (16 x 2048^2, 3 GPT-2 layers)
+#   launch     the step's launch overhead: CUDA graphs, alone and with tuned kernels (16 x 2048^2, 3 GPT-2 layers)
+#   cudagraphs optimizer-step benchmark with the step CUDA-graphed (both lists, or LISTS=...)
 #   seeds      GPT 124M, 1000 steps, seed 1: fp32 baseline and flashoptim (the loss gap of one run)
 #   release    GPT 1.2B memory with gradient release (as `large`'s first half; compare with its JSON)
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
@@ -34,6 +36,11 @@ case $stage in
     timeout 360 python -m pytest -v -m gpu --continue-on-collection-errors tests 2>&1 | tee "$out/gpu_tests_h200.log"
     timeout 150 python benchmarks/gpu_check.py /tmp/inspect 2>&1 | tee "$out/gpu_check_h200.log"
     cp /tmp/inspect/optimizer_step_triton.py "$out/adamw_step_triton_h200.py.txt"
+    ;;
+  verify)
+    timeout 300 python -m pytest -v -m gpu --continue-on-collection-errors tests 2>&1 | tee "$out/gpu_tests_h200.log"
+    timeout 200 python benchmarks/optimizer_step.py --lists 16x2048x2048 --configs flashoptim_cudagraphs \
+      --out "$out/optimizer_step_verify_h200.json" 2>&1 | tee "$out/optimizer_step_verify_h200.log"
     ;;
   optimizer)
     timeout 560 python benchmarks/optimizer_step.py --out "$out/optimizer_step_h200.json" 2>&1 | tee "$out/optimizer_step_h200.log"
@@ -69,10 +76,16 @@ case $stage in
       | tee "$out/gradient_release_h200.log"
     ;;
   launch)
-    timeout 280 python benchmarks/optimizer_step.py --lists 16x2048x2048 --configs flashoptim,flashoptim_cudagraphs,flashoptim_combo \
+    timeout 300 python benchmarks/optimizer_step.py --lists 16x2048x2048 --configs flashoptim_cudagraphs,flashoptim_tuned \
       --out "$out/optimizer_step_launch_h200.json" 2>&1 | tee "$out/optimizer_step_launch_h200.log"
-    timeout 280 python benchmarks/optimizer_step.py --lists gpt2_3layers --configs flashoptim_cudagraphs,flashoptim_combo \
+    timeout 250 python benchmarks/optimizer_step.py --lists gpt2_3layers --configs flashoptim_cudagraphs \
       --out "$out/optimizer_step_launch_gpt2_h200.json" 2>&1 | tee "$out/optimizer_step_launch_gpt2_h200.log"
+    ;;
+  cudagraphs)
+    # LISTS: the parameter lists to run (default both of issue 3's), e.g. LISTS=gpt2_124m
+    timeout 560 python benchmarks/optimizer_step.py --lists "${LISTS:-64x2048x2048,gpt2_124m}" \
+      --configs torch_fused_fp32,flashoptim_cudagraphs,flashoptim_pypi \
+      --out "$out/optimizer_step_cudagraphs_h200.json" 2>&1 | tee "$out/optimizer_step_cudagraphs_h200.log"
     ;;
   seeds)
     timeout 570 python benchmarks/train_gpt.py --config 124m --steps 1000 --eval-every 100 --seed 1 \
