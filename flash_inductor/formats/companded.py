@@ -87,11 +87,10 @@ def encode(x, kind):
         y = 2 * u / (1 + u.abs())
         codes = torch.floor(127 * y + 0.5).clamp(-127, 127).to(torch.int8)
     elif kind == SQRT:
-        # Negative inputs encode as 0 (nan stays nan). Written as a select after the square root
-        # rather than a clamp before it, so the square root is the optimizer's own ``v.sqrt()``
-        # and Inductor computes it once per element instead of twice.
-        groups = _groups(x)
-        groups = torch.where(groups < 0, torch.zeros_like(groups), groups.sqrt())
+        # A second square root rather than the optimizer's own ``v.sqrt()``: sharing that one (a
+        # select after it) made the fused H200 step kernel 3.3x slower, likely by keeping it live
+        # across the group reduction (benchmarks/results/optimizer_step_sqrt_reuse_h200.log).
+        groups = _groups(x).clamp(min=0).sqrt()
         scale16, scale = _scales(groups)
         u = _safe_div(groups, scale)
         codes = torch.floor(255 * u + 0.5).clamp(0, 255).to(torch.uint8)
