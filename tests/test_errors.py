@@ -67,13 +67,17 @@ CASES = {
     "fused": (_adamw(fused=True), None, {}, ValueError, [r"fused=True", r"fused=None"]),
     "differentiable": (_adamw(differentiable=True), None, {}, ValueError, [r"differentiable=True", r"differentiable=False"]),
     "sgd_dampening": (_sgd(momentum=0.9, dampening=0.1), None, {}, ValueError, [r"dampening=0\.1", r"dampening=0\b"]),
-    "fp64_param": (_adamw(), nn.Parameter(torch.zeros(8, dtype=torch.float64)), {}, TypeError, [r"extra", r"float64", r"float\(\)"]),
+    "fp64_param": (
+        _adamw(), nn.Parameter(torch.zeros(8, dtype=torch.float64)), {}, TypeError, [r"extra", r"float64", r"float\(\)"],
+    ),
     "complex_param": (_adamw(), nn.Parameter(torch.zeros(8, dtype=torch.complex64)), {}, TypeError, [r"extra", r"complex64"]),
     "int_param": (
         _sgd(), nn.Parameter(torch.zeros(8, dtype=torch.int64), requires_grad=False), {}, TypeError, [r"extra", r"int64"],
     ),
     "state_bits_4": (_adamw(), None, {"state_bits": 4}, ValueError, [r"state_bits", r"8 or None"]),
-    "master_weight_bits_16": (_adamw(), None, {"master_weight_bits": 16}, ValueError, [r"master_weight_bits", r"24", r"32", r"None"]),
+    "master_weight_bits_16": (
+        _adamw(), None, {"master_weight_bits": 16}, ValueError, [r"master_weight_bits", r"24", r"32", r"None"],
+    ),
     "bad_compile_option": (_adamw(), None, {"compile_options": {"bogus": 1}}, ValueError, [r"bogus", r"compiler", r"disable"]),
 }
 
@@ -379,7 +383,8 @@ def test_disabling_an_unknown_pass_names_known_passes():
     assert isinstance(inner, ValueError)
     assert all(name in str(inner) for name in ("nope", "split_weights", "companded_states"))
     # a known pass is accepted
-    assert torch.equal(torch.compile(f, backend="flashoptim", options={"disable": ["split_weights"]})(torch.ones(3)), torch.full((3,), 2.0))
+    compiled = torch.compile(f, backend="flashoptim", options={"disable": ["split_weights"]})
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
 
 
 def test_inductor_option_overrides_defaults_but_cannot_turn_off_precision_casts(monkeypatch):

@@ -620,7 +620,8 @@ def test_lr_scheduler_changes_lr_without_recompiling(name, monkeypatch):
             grads = bf16_grads(model, i)
             for m in (ref, fixed, plain):
                 set_grads(m, grads)
-            for m, o, s in ((model, opt, sched), (ref, ref_opt, ref_sched), (fixed, fixed_opt, None), (plain, plain_opt, plain_sched)):
+            runs = ((model, opt, sched), (ref, ref_opt, ref_sched), (fixed, fixed_opt, None), (plain, plain_opt, plain_sched))
+            for m, o, s in runs:
                 o.step()
                 o.zero_grad()
                 if s is not None:
@@ -667,7 +668,9 @@ def test_non_finite_gradient_like_stock_torch(name, value, state_bits):
     """
     cls, kwargs, ref_cls = NONFINITE_CASES[name]
     base = mlp()
-    model, opt = prepared_copy(base, lambda ps: cls(ps, **kwargs), state_bits=state_bits, min_quantized_numel=1, compile_options=EAGER)
+    model, opt = prepared_copy(
+        base, lambda ps: cls(ps, **kwargs), state_bits=state_bits, min_quantized_numel=1, compile_options=EAGER
+    )
     ref = copy.deepcopy(base)
     ref_opt = cls(ref.parameters(), **kwargs) if ref_cls is None else ref_cls(ref.parameters(), **kwargs)
     record = roles.PREPARED[opt]
