@@ -29,6 +29,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# logged NAME LIMIT SCRIPT ARGS...: benchmarks/SCRIPT ARGS under `timeout LIMIT`, writing
+# $out/NAME.json, with its output printed and kept in $out/NAME.log
+logged() {
+  local name=$1 limit=$2 script=$3
+  shift 3
+  timeout "$limit" python "benchmarks/$script" "$@" --out "$out/$name.json" 2>&1 | tee "$out/$name.log"
+}
+
 case $stage in
   tests)
     # --continue-on-collection-errors: a test file needing a package missing there (expecttest) is
@@ -39,70 +47,59 @@ case $stage in
     ;;
   verify)
     timeout 300 python -m pytest -v -m gpu --continue-on-collection-errors tests 2>&1 | tee "$out/gpu_tests_h200.log"
-    timeout 200 python benchmarks/optimizer_step.py --lists 16x2048x2048 --configs flashoptim_cudagraphs \
-      --out "$out/optimizer_step_verify_h200.json" 2>&1 | tee "$out/optimizer_step_verify_h200.log"
+    logged optimizer_step_verify_h200 200 optimizer_step.py --lists 16x2048x2048 --configs flashoptim_cudagraphs
     ;;
   optimizer)
-    timeout 560 python benchmarks/optimizer_step.py --out "$out/optimizer_step_h200.json" 2>&1 | tee "$out/optimizer_step_h200.log"
+    logged optimizer_step_h200 560 optimizer_step.py
     ;;
   fp8)
-    timeout 560 python benchmarks/fp8_linear.py --out "$out/fp8_linear_h200.json" 2>&1 | tee "$out/fp8_linear_h200.log"
+    logged fp8_linear_h200 560 fp8_linear.py
     ;;
   train124m)
-    timeout 570 python benchmarks/train_gpt.py --config 124m --steps 1000 --eval-every 100 \
-      --configs fp32_fused_autocast,flashoptim,flashoptim_fp8 \
-      --out "$out/train_gpt_124m_h200.json" --plot "$out" 2>&1 | tee "$out/train_gpt_124m_h200.log"
+    logged train_gpt_124m_h200 570 train_gpt.py --config 124m --steps 1000 --eval-every 100 \
+      --configs fp32_fused_autocast,flashoptim,flashoptim_fp8 --plot "$out"
     ;;
   peers)
-    timeout 560 python benchmarks/train_gpt.py --config 124m --steps 1000 --eval-every 100 \
-      --configs bf16_adamw,flashoptim_pypi,torchao_adamw8bit \
-      --out "$out/train_gpt_124m_more_h200.json" 2>&1 | tee "$out/train_gpt_124m_more_h200.log"
+    logged train_gpt_124m_more_h200 560 train_gpt.py --config 124m --steps 1000 --eval-every 100 \
+      --configs bf16_adamw,flashoptim_pypi,torchao_adamw8bit
     ;;
   variants)
-    timeout 330 python benchmarks/optimizer_step.py --lists 16x2048x2048 \
-      --configs torch_fused_fp32,flashoptim,flashoptim_fastdiv,flashoptim_coordesc \
-      --out "$out/optimizer_step_variants_h200.json" 2>&1 | tee "$out/optimizer_step_variants_h200.log"
+    logged optimizer_step_variants_h200 330 optimizer_step.py --lists 16x2048x2048 \
+      --configs torch_fused_fp32,flashoptim,flashoptim_fastdiv,flashoptim_coordesc
     timeout 60 python benchmarks/kernel_resources.py --match lshift --out "$out/kernel_resources_h200.json"
-    timeout 150 python benchmarks/gradient_release.py --out "$out/gradient_release_h200.json" 2>&1 \
-      | tee "$out/gradient_release_h200.log"
+    logged gradient_release_h200 150 gradient_release.py
     ;;
   tuning)
-    timeout 150 python benchmarks/optimizer_step.py --lists 16x2048x2048 --configs flashoptim_cudagraphs,flashoptim_tuned \
-      --out "$out/optimizer_step_tuning_h200.json" 2>&1 | tee "$out/optimizer_step_tuning_h200.log"
-    timeout 240 python benchmarks/optimizer_step.py --lists gpt2_3layers --configs torch_fused_fp32,flashoptim,flashoptim_tuned \
-      --out "$out/optimizer_step_tuning_gpt2_h200.json" 2>&1 | tee "$out/optimizer_step_tuning_gpt2_h200.log"
+    logged optimizer_step_tuning_h200 150 optimizer_step.py --lists 16x2048x2048 \
+      --configs flashoptim_cudagraphs,flashoptim_tuned
+    logged optimizer_step_tuning_gpt2_h200 240 optimizer_step.py --lists gpt2_3layers \
+      --configs torch_fused_fp32,flashoptim,flashoptim_tuned
     timeout 120 python benchmarks/kernel_resources.py --match lshift --out "$out/kernel_resources_h200.json"
-    timeout 150 python benchmarks/gradient_release.py --out "$out/gradient_release_h200.json" 2>&1 \
-      | tee "$out/gradient_release_h200.log"
+    logged gradient_release_h200 150 gradient_release.py
     ;;
   launch)
-    timeout 300 python benchmarks/optimizer_step.py --lists 16x2048x2048 --configs flashoptim_cudagraphs,flashoptim_tuned \
-      --out "$out/optimizer_step_launch_h200.json" 2>&1 | tee "$out/optimizer_step_launch_h200.log"
-    timeout 250 python benchmarks/optimizer_step.py --lists gpt2_3layers --configs flashoptim_cudagraphs \
-      --out "$out/optimizer_step_launch_gpt2_h200.json" 2>&1 | tee "$out/optimizer_step_launch_gpt2_h200.log"
+    logged optimizer_step_launch_h200 300 optimizer_step.py --lists 16x2048x2048 \
+      --configs flashoptim_cudagraphs,flashoptim_tuned
+    logged optimizer_step_launch_gpt2_h200 250 optimizer_step.py --lists gpt2_3layers --configs flashoptim_cudagraphs
     ;;
   cudagraphs)
     # LISTS: the parameter lists to run (default both of issue 3's), e.g. LISTS=gpt2_124m
-    timeout 560 python benchmarks/optimizer_step.py --lists "${LISTS:-64x2048x2048,gpt2_124m}" \
-      --configs torch_fused_fp32,flashoptim_cudagraphs,flashoptim_pypi \
-      --out "$out/optimizer_step_cudagraphs_h200.json" 2>&1 | tee "$out/optimizer_step_cudagraphs_h200.log"
+    logged optimizer_step_cudagraphs_h200 560 optimizer_step.py --lists "${LISTS:-64x2048x2048,gpt2_124m}" \
+      --configs torch_fused_fp32,flashoptim_cudagraphs,flashoptim_pypi
     ;;
   seeds)
-    timeout 570 python benchmarks/train_gpt.py --config 124m --steps 1000 --eval-every 100 --seed 1 \
-      --configs fp32_fused_autocast,flashoptim \
-      --out "$out/train_gpt_124m_seed1_h200.json" 2>&1 | tee "$out/train_gpt_124m_seed1_h200.log"
+    logged train_gpt_124m_seed1_h200 570 train_gpt.py --config 124m --steps 1000 --eval-every 100 --seed 1 \
+      --configs fp32_fused_autocast,flashoptim
     ;;
   release)
-    timeout 300 python benchmarks/train_gpt.py --config 1b --steps 10 --warmup 4 --eval-every 10 --eval-batches 1 \
-      --configs flashoptim_release --no-inductor \
-      --out "$out/train_gpt_1b_release_eager_h200.json" 2>&1 | tee "$out/train_gpt_1b_release_eager_h200.log"
+    logged train_gpt_1b_release_eager_h200 300 train_gpt.py --config 1b --steps 10 --warmup 4 --eval-every 10 \
+      --eval-batches 1 --configs flashoptim_release --no-inductor
     ;;
   large)
-    timeout 200 python benchmarks/train_gpt.py --config 1b --steps 10 --warmup 4 --eval-every 10 --eval-batches 1 \
-      --configs fp32_fused_autocast,flashoptim --no-inductor \
-      --out "$out/train_gpt_1b_eager_h200.json" 2>&1 | tee "$out/train_gpt_1b_eager_h200.log"
-    timeout 380 python benchmarks/train_gpt.py --config 1b --dim 8192 --heads 64 --layers 4 --batch 1 --find-largest \
-      --out "$out/train_gpt_find_largest_h200.json" 2>&1 | tee "$out/train_gpt_find_largest_h200.log"
+    logged train_gpt_1b_eager_h200 200 train_gpt.py --config 1b --steps 10 --warmup 4 --eval-every 10 \
+      --eval-batches 1 --configs fp32_fused_autocast,flashoptim --no-inductor
+    logged train_gpt_find_largest_h200 380 train_gpt.py --config 1b --dim 8192 --heads 64 --layers 4 --batch 1 \
+      --find-largest
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
