@@ -80,9 +80,6 @@ class Options:
             raise ValueError(
                 f"flashoptim: option 'fp8_history_length' must be a positive int (default {HISTORY_LENGTH}), got {history!r}"
             )
-        power_of_two = options.get("fp8_power_of_two_scales", False)
-        if not isinstance(power_of_two, bool):
-            raise ValueError(f"flashoptim: option 'fp8_power_of_two_scales' must be True or False, got {power_of_two!r}")
         exclude = options.get("fp8_exclude", ())
         if isinstance(exclude, str):
             exclude = (exclude,)
@@ -93,7 +90,7 @@ class Options:
             disable=tuple(disable), inductor=tuple(inductor), dump=dump, compiler=compiler, fp8=fp8,
             fp8_min_weight_numel=int(options.get("fp8_min_weight_numel", cls.fp8_min_weight_numel)),
             fp8_exclude=tuple(exclude), fp8_filter=fp8_filter, fp8_history_length=history,
-            fp8_power_of_two_scales=power_of_two, fp8_fast_accum=_flag(options, "fp8_fast_accum"),
+            fp8_power_of_two_scales=_flag(options, "fp8_power_of_two_scales"), fp8_fast_accum=_flag(options, "fp8_fast_accum"),
             fp8_collectives=_flag(options, "fp8_collectives"),
         )
 
