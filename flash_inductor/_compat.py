@@ -1,5 +1,10 @@
-"""Differences between the torch versions we support (>= 2.11), in one place."""
+"""Differences between the torch versions we support (>= 2.11), and Inductor bugs we work
+around, in one place."""
 
+import contextlib
+import functools
+
+import sympy
 import torch
 from torch.torch_version import TorchVersion
 
@@ -14,3 +19,44 @@ def inductor_patches_for_rewritten_graphs():
         # fused node of the optimizer step (fixed in 2.13, where the base class returns False).
         patches["loop_ordering_after_fusion"] = False
     return patches
+
+
+def _drops_iterations(nodes):
+    """Whether Inductor's C++ loop split would cut a loop whose length its divisor does not divide.
+
+    ``CppScheduling.try_loop_split`` turns a loop of ``n`` iterations whose index holds ``x // k``
+    (``k > 8``) into ``n // k`` x ``k`` iterations and never checks ``n % k == 0`` (torch 2.11 to
+    2.13), so the last ``n % k`` elements are never computed. A parameter of 4097 elements with
+    8-bit states reads its group's scale at ``x // 32``: its last element never updated.
+    """
+    from torch.utils._sympy.functions import FloorDiv
+
+    for node in nodes:
+        _, body, _ = node.node.get_default_sizes_body()
+        ranges = body.var_ranges
+        for expr in body.indexing_exprs.values():
+            if not isinstance(expr, sympy.Expr):
+                continue
+            for div in expr.find(FloorDiv):
+                var, divisor = div.args
+                if var in ranges and isinstance(divisor, sympy.Integer) and sympy.Mod(ranges[var], divisor) != 0:
+                    return True
+    return False
+
+
+@contextlib.contextmanager
+def cpp_loop_split_keeps_every_element():
+    """While compiling: skip Inductor's C++ loop split where it would drop iterations (above)."""
+    from torch._inductor.codegen.cpp import CppScheduling
+
+    original = CppScheduling.try_loop_split
+
+    @functools.wraps(original)
+    def try_loop_split(self, nodes):
+        return nodes if _drops_iterations(nodes) else original(self, nodes)
+
+    CppScheduling.try_loop_split = try_loop_split
+    try:
+        yield
+    finally:
+        CppScheduling.try_loop_split = original

@@ -118,8 +118,15 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
         # Required, not a default: the passes' numerics round to bf16/fp16 inside fused kernels,
         # and Inductor would otherwise keep the fp32 value there (DESIGN.md §3, pitfall).
         patches["emulate_precision_casts"] = True
-    post_grad = AtenPasses(aten_passes, ctx, result.name)
-    if post_grad.passes or record is not None:  # when inspecting, it records the post-grad graphs
+    # Ours takes the hook: the user's pass (option ``inductor`` or Inductor's config) runs after ours.
+    user_post_grad = patches.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
+    # Inductor keeps the pass (in its config and cache key) as long as the compiled graph: without
+    # the graph inputs' tensors, or it would keep the first call's gradients alive.
+    post_grad = AtenPasses(aten_passes, dataclasses.replace(ctx, inputs={}), result.name, user_post_grad)
+    if post_grad.passes or result.rewritten or record is not None:
+        # Its uuid keys Inductor's FX graph cache by this package's sources, so a graph our passes
+        # rewrote is never taken from a cache entry that other numerics or an Inductor workaround
+        # of ours (_compat) compiled. When inspecting, it records the post-grad graphs.
         patches["post_grad_custom_post_pass"] = post_grad
     if record is not None:
         patches.update(inspection.uncached_config())
@@ -129,7 +136,7 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
         with inspection.compiling_subgraph(record, subgraph):
             return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _compat.cpp_loop_split_keeps_every_element():
         # Inductor's C++ backend notes every kernel that mixes bf16 weights with fp16 scales.
         warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
         return compile_fx(

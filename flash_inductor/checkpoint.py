@@ -11,16 +11,17 @@ form: states the loaded dict lacks (e.g. a stock optimizer saved before its firs
 from zero, as after ``prepare``; never as plain tensors of the parameter's dtype, which the step
 would otherwise allocate lazily. Error terms are restored from the dict (rescaled if it was saved
 with other ``master_weight_bits``); a dict without them (a stock one) leaves them as they are.
+Every entry is checked before anything changes: a refused load leaves the optimizer as it was.
 """
 
 import weakref
 
 import torch
 
-from flash_inductor import roles, sharded
+from flash_inductor import module_hooks, roles, sharded
 from flash_inductor.formats import companded, split_weights
 from flash_inductor.formats.state_tensor import CompandedState, StateTensor
-from flash_inductor.prepare import init_state, make_lr_tensor, new_state
+from flash_inductor.prepare import init_state, make_lr_tensor, new_state, prepared
 
 ERROR_TERM_KEY = "error_term"
 
@@ -73,16 +74,23 @@ def _state_dict_post_hook(optimizer, state_dict):
     return {"state": state, "param_groups": groups}
 
 
-# optimizer -> {param index: {key: (saved value, kind)}}, between the two load hooks
+# optimizer -> {param index: {key: restored value}}, checked and built by the pre-hook for the post-hook
 _pending = weakref.WeakKeyDictionary()
+
+# How to get a loadable entry: for entries of another model, and for entries no prepared optimizer saves.
+_SAME_MODEL = "load a checkpoint of an optimizer over this model (the same parameters, in the same order)"
+_RESAVE = "save the checkpoint again from a prepared optimizer of this class over this model"
 
 
 def _load_pre_hook(optimizer, state_dict):
-    """Take our entries out before torch casts every floating state to the parameter's dtype.
+    """Check our entries and build what each restores; take them out before torch casts every
+    floating state to the parameter's dtype.
 
-    Saved entries are matched to parameters the way torch matches them (position in the saved
-    groups' ``params`` lists), and their kinds come from the saved groups' hyperparameters, which
-    are the ones the optimizer has after the load.
+    torch replaces the optimizer's states and param groups between the two load hooks, so every
+    refusal is raised here: a refused load leaves the optimizer as it was. Saved entries are matched
+    to parameters the way torch matches them (position in the saved groups' ``params`` lists), and
+    their kinds come from the saved groups' hyperparameters, which are the ones the optimizer has
+    after the load.
     """
     _pending.pop(optimizer, None)
     record = roles.PREPARED[optimizer]
@@ -96,73 +104,76 @@ def _load_pre_hook(optimizer, state_dict):
         for saved_id in saved_group["params"]:
             position[saved_id] = len(kinds)
             kinds.append(dict(layout.quantized, **{ERROR_TERM_KEY: None}))
-    held, state = {}, {}
+    params = _params_by_index(optimizer)
+    restored, state = {}, {}
     for saved_id, entries in state_dict["state"].items():
         if saved_id not in position:
             state[saved_id] = entries
             continue
         index = position[saved_id]
         ours = kinds[index]
-        held[index] = {k: (v, ours[k]) for k, v in entries.items() if k in ours}
+        restored[index] = {k: _restore(record, params[index], k, v, ours[k]) for k, v in entries.items() if k in ours}
         state[saved_id] = {k: v for k, v in entries.items() if k not in ours}
-    _pending[optimizer] = held
+    _pending[optimizer] = restored
     return dict(state_dict, state=state)
 
 
 def _load_post_hook(optimizer):
+    """Install what the pre-hook checked and built; nothing here refuses."""
     record = roles.PREPARED[optimizer]
-    held = _pending.pop(optimizer, {})
+    restored = _pending.pop(optimizer, {})
     for group in optimizer.param_groups:
         make_lr_tensor(group)
     for index, (param, group) in enumerate(zip(_params_by_index(optimizer), _groups_by_index(optimizer))):
-        entries = dict(held.get(index, {}))
-        state = optimizer.state[param]
-        error = entries.pop(ERROR_TERM_KEY, (None, None))[0]
-        if error is not None and record.error_term(param) is not None:
-            _restore_error_term(record, param, error)
-        for key, (saved, kind) in entries.items():
-            state[key] = _restore_state(saved, param, record, kind)
+        entries = dict(restored.get(index, {}))
+        error = entries.pop(ERROR_TERM_KEY, None)
+        if error is not None:
+            record.error_term(param).copy_(error)
+            module_hooks.error_term_loaded(param)
+        optimizer.state[param].update(entries)
         init_state(optimizer, record, group, param)  # whatever the dict lacked starts as after prepare
 
 
+def _refusal(record, param, key, problem, fix):
+    """The error refusing the saved entry ``key`` of ``param``."""
+    return ValueError(f"load_state_dict: saved {key!r} of parameter '{_name(record, param)}' {problem}; {fix}")
+
+
+def _describe(value):
+    return f"{list(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _restore(record, param, key, saved, kind):
+    if key == ERROR_TERM_KEY:
+        return _restore_error_term(record, param, saved)
+    return _restore_state(record, param, key, saved, kind)
+
+
 def _restore_error_term(record, param, saved):
+    """The value for ``param``'s error term; None when it has none (an fp32 parameter is its own
+    master: there is nothing to restore)."""
     current = record.error_term(param)
-    if tuple(saved.shape) != tuple(current.shape):
-        raise ValueError(
-            f"load_state_dict: saved error term of parameter '{_name(record, param)}' has shape "
-            f"{list(saved.shape)}, the parameter {list(current.shape)}"
-        )
+    if current is None:
+        return None
+    if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(current.shape):
+        raise _refusal(record, param, ERROR_TERM_KEY, f"is {_describe(saved)}, the error term {list(current.shape)}", _SAME_MODEL)
     if saved.dtype != current.dtype:
         if saved.dtype not in split_weights._CODE_MAX:
-            raise ValueError(
-                f"load_state_dict: saved error term of parameter '{_name(record, param)}' is {saved.dtype}; "
-                "expected int8 (24-bit masters) or int16 (32-bit masters)"
+            raise _refusal(
+                record, param, ERROR_TERM_KEY, f"is {saved.dtype}, not int8 (24-bit masters) or int16 (32-bit masters)", _RESAVE
             )
         # Same relative error, on the other code scale (the checkpoint used other master_weight_bits).
         scaled = saved.double() * split_weights.code_max(current.dtype) / split_weights.code_max(saved.dtype)
         saved = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
-    current.copy_(saved.to(current.device, current.dtype))
+    return saved.to(current.device, current.dtype)
 
 
-def _restore_state(saved, param, record, kind):
+def _restore_state(record, param, key, saved, kind):
     """The stored state of ``param`` from a saved entry. For a sharded parameter, everything is
     restored per local shard (the saved DTensors hold this rank's shard)."""
-    name = _name(record, param)
     shard = sharded.local(param)
     if isinstance(saved, dict):  # compressed form
-        groups = companded.num_groups(shard.numel())
-        codes, scales = sharded.local(saved["codes"]), sharded.local(saved["scales"])
-        if saved.get("kind") != kind or codes.numel() != groups * companded.GROUP_SIZE or scales.numel() != groups:
-            raise ValueError(
-                f"load_state_dict: compressed state of parameter '{name}' (kind {saved.get('kind')!r}, "
-                f"{codes.numel()} codes, {scales.numel()} scales) does not fit a {kind!r} state of shape "
-                f"{list(shard.shape)} ({groups * companded.GROUP_SIZE} codes, {groups} scales)"
-            )
-        state = CompandedState(
-            codes.to(shard.device, companded.CODE_DTYPES[kind]).reshape(groups, companded.GROUP_SIZE).clone(),
-            scales.to(shard.device, torch.float16).clone(),
-            kind, shape=shard.shape, dtype=shard.dtype,
-        )
+        state = _compressed_state(record, param, key, saved, kind)
         if isinstance(sharded.local(new_state(record, param, kind)), CompandedState):
             return sharded.like(param, state)
         saved = state.decode()
@@ -170,15 +181,51 @@ def _restore_state(saved, param, record, kind):
     if isinstance(saved, StateTensor):
         saved = saved.decode()
     if not isinstance(saved, torch.Tensor) or saved.numel() != shard.numel():
-        shape = list(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
-        raise ValueError(f"load_state_dict: saved state of parameter '{name}' is {shape}, the parameter {list(shard.shape)}")
+        raise _refusal(record, param, key, f"is {_describe(saved)}, the parameter {list(shard.shape)}", _SAME_MODEL)
     return new_state(record, param, kind, saved.float().reshape(shard.shape))
+
+
+def _compressed_state(record, param, key, saved, kind):
+    """The state a compressed entry holds, once checked to be codes and scales ``companded.encode``
+    can give: other codes would wrap or decode to garbage rather than fail."""
+    shard = sharded.local(param)
+    groups = companded.num_groups(shard.numel())
+    codes, scales = sharded.local(saved.get("codes")), sharded.local(saved.get("scales"))
+    fix = f"{_RESAVE}, or with compressed_state_dict=False (decoded fp32 states)"
+    if (
+        saved.get("kind") != kind
+        or not isinstance(codes, torch.Tensor) or codes.numel() != groups * companded.GROUP_SIZE
+        or not isinstance(scales, torch.Tensor) or scales.numel() != groups
+    ):
+        raise _refusal(
+            record, param, key,
+            f"(kind {saved.get('kind')!r}, codes {_describe(codes)}, scales {_describe(scales)}) does not fit a {kind!r} "
+            f"state of shape {list(shard.shape)} ({groups * companded.GROUP_SIZE} codes, {groups} scales)",
+            fix,
+        )
+    code_dtype = companded.CODE_DTYPES[kind]
+    if codes.dtype != code_dtype or scales.dtype != torch.float16:
+        raise _refusal(
+            record, param, key,
+            f"has {codes.dtype} codes and {scales.dtype} scales, a {kind!r} state {code_dtype} and torch.float16", fix,
+        )
+    if kind == companded.SIGNED and bool((codes < -127).any()):
+        raise _refusal(record, param, key, "has code -128; signed codes lie in [-127, 127]", fix)
+    if bool(((scales < 0) | scales.isinf()).any()):
+        raise _refusal(
+            record, param, key, "has negative or infinite scales; scales are finite and >= 0 (nan for a non-finite group)",
+            fix,
+        )
+    return CompandedState(
+        codes.to(shard.device).reshape(groups, companded.GROUP_SIZE).clone(), scales.to(shard.device).clone(),
+        kind, shape=shard.shape, dtype=shard.dtype,
+    )
 
 
 def master_state_dict(model, optimizer):
     """{parameter name: fp32 master value} (decoded split weights; fp32 parameters as they are).
     Of a sharded (FSDP2) parameter: a DTensor like it."""
-    record = roles.PREPARED[optimizer]
+    record = prepared(optimizer)
     names = {p: n for n, p in model.named_parameters()}
     out = {}
     for p in record.params():
@@ -196,18 +243,21 @@ def master_state_dict(model, optimizer):
 def load_master_state_dict(model, optimizer, masters):
     """Set parameters from fp32 masters: bf16 values plus recomputed error terms.
 
-    Every entry is checked (name and shape) before any parameter is written. A sharded (FSDP2)
-    parameter takes a DTensor (as ``master_state_dict`` gives) or the whole value, of which each
-    rank keeps its shard.
+    Every entry is checked (name, floating-point tensor, shape) before any parameter is written. A
+    sharded (FSDP2) parameter takes a DTensor (as ``master_state_dict`` gives) or the whole value,
+    of which each rank keeps its shard.
     """
-    record = roles.PREPARED[optimizer]
+    record = prepared(optimizer)
     params = dict(model.named_parameters())
     missing = [n for n in masters if n not in params]
     if missing:
         raise KeyError(f"load_master_state_dict: no parameter named {missing} in the model")
-    wrong = [f"{n}: {list(v.shape)} vs {list(params[n].shape)}" for n, v in masters.items() if v.shape != params[n].shape]
-    if wrong:
-        raise ValueError(f"load_master_state_dict: shapes do not match the parameters ({'; '.join(wrong)})")
+    problems = [f"'{n}' {problem}" for n, v in masters.items() if (problem := _master_problem(v, params[n]))]
+    if problems:
+        raise ValueError(
+            f"load_master_state_dict: nothing was written: {'; '.join(problems)}; give each parameter a floating-point "
+            "tensor of its shape (as master_state_dict returns)"
+        )
     for name, value in masters.items():
         p = params[name]
         error = record.error_term(p)
@@ -216,3 +266,12 @@ def load_master_state_dict(model, optimizer, masters):
             split_weights.store(shard, sharded.local(error), value.to(shard.device, torch.float32))
         else:
             shard.copy_(value.to(shard.device, shard.dtype))
+
+
+def _master_problem(value, param):
+    """Why ``value`` cannot be the master of ``param``; None when it can."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return f"is {_describe(value)}, not a floating-point tensor"
+    if value.shape != param.shape:
+        return f"has shape {list(value.shape)}, the parameter {list(param.shape)}"
+    return None

@@ -154,7 +154,7 @@ class GradientRelease:
         if self.record.check_numerics:
             checks.check_lr_moves_weights(self.record, group)
         try:
-            run_compiled_step(step.compiled)
+            run_compiled_step(step.compiled, step.optimizer)
         finally:
             step.param.grad = None
         self.updated.add(id(param))

@@ -1,8 +1,14 @@
 """Options of the ``flashoptim`` backend: ``torch.compile(backend="flashoptim", options={...})``."""
 
 import dataclasses
+import hashlib
+import inspect
 import os
+import types
+from collections.abc import Iterable
 from typing import Any
+
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from flash_inductor.formats.fp8 import HISTORY_LENGTH
 
@@ -15,7 +21,8 @@ class Options:
     inductor: extra Inductor config patches, e.g. ``{"combo_kernels": True}``; they override the
         backend's defaults for rewritten graphs (``{"eager_numerics.division_rounding": False}``
         trades eager-identical codes for approximate division), except ``emulate_precision_casts``,
-        which rewritten graphs need.
+        which rewritten graphs need. A ``post_grad_custom_post_pass`` there (or in Inductor's config)
+        runs after the backend's aten-level passes.
     dump: folder to write every graph before and after each pass to (also ``FLASHOPTIM_DUMP``).
     compiler: "inductor", or "eager" to run the rewritten graphs without Inductor (debugging:
         same rewrites, no kernels).
@@ -56,52 +63,92 @@ class Options:
             raise ValueError(
                 f"flashoptim: unknown option(s) {unknown}; valid options are {sorted(valid)}"
             )
-        disable = options.get("disable", ())
-        if isinstance(disable, str):
-            disable = (disable,)
+        disable = _strings(options, "disable", "pass names", ["split_weights"])
         _check_pass_names(disable)
-        inductor = options.get("inductor", ())
-        if isinstance(inductor, dict):
-            inductor = tuple(sorted(inductor.items()))
-        if dict(inductor).get("emulate_precision_casts", True) is not True:
+        inductor = _config_patches(options, "inductor")
+        if inductor.get("emulate_precision_casts", True) is not True:
             raise ValueError(
                 "flashoptim: option 'inductor' cannot turn emulate_precision_casts off: the rewritten optimizer "
                 "step rounds to bf16/fp16 inside fused kernels, and without it every error term would stay 0"
             )
-        dump = options.get("dump") or os.environ.get("FLASHOPTIM_DUMP") or None
-        compiler = options.get("compiler", "inductor")
-        if compiler not in ("inductor", "eager"):
-            raise ValueError(f"flashoptim: option 'compiler' must be 'inductor' or 'eager', got {compiler!r}")
-        fp8 = options.get("fp8")
-        if fp8 not in (None, "tensorwise", "delayed"):
-            raise ValueError(f"flashoptim: option 'fp8' must be None, 'tensorwise' or 'delayed', got {fp8!r}")
-        history = options.get("fp8_history_length", cls.fp8_history_length)
-        if type(history) is not int or history < 1:
-            raise ValueError(
-                f"flashoptim: option 'fp8_history_length' must be a positive int (default {HISTORY_LENGTH}), got {history!r}"
-            )
-        exclude = options.get("fp8_exclude", ())
-        if isinstance(exclude, str):
-            exclude = (exclude,)
-        fp8_filter = options.get("fp8_filter")
-        if fp8_filter is not None and not callable(fp8_filter):
-            raise ValueError("flashoptim: option 'fp8_filter' must be a callable taking a module name")
         return cls(
-            disable=tuple(disable), inductor=tuple(inductor), dump=dump, compiler=compiler, fp8=fp8,
-            fp8_min_weight_numel=int(options.get("fp8_min_weight_numel", cls.fp8_min_weight_numel)),
-            fp8_exclude=tuple(exclude), fp8_filter=fp8_filter, fp8_history_length=history,
-            fp8_power_of_two_scales=_flag(options, "fp8_power_of_two_scales"), fp8_fast_accum=_flag(options, "fp8_fast_accum"),
+            disable=disable,
+            inductor=tuple(sorted(inductor.items())),
+            dump=_folder(options, "dump") or os.environ.get("FLASHOPTIM_DUMP") or None,
+            compiler=_choice(options, "compiler", ("inductor", "eager"), cls.compiler),
+            fp8=_choice(options, "fp8", (None, "tensorwise", "delayed"), cls.fp8),
+            fp8_history_length=_int(options, "fp8_history_length", "positive", 1, cls.fp8_history_length),
+            fp8_power_of_two_scales=_flag(options, "fp8_power_of_two_scales"),
+            fp8_fast_accum=_flag(options, "fp8_fast_accum"),
+            fp8_min_weight_numel=_int(options, "fp8_min_weight_numel", "non-negative", 0, cls.fp8_min_weight_numel),
+            fp8_exclude=_strings(options, "fp8_exclude", "str (fnmatch patterns of module names)", ["layers.0.*", "lm_head"]),
+            fp8_filter=_callable(options, "fp8_filter", "a callable taking a module name"),
             fp8_collectives=_flag(options, "fp8_collectives"),
         )
 
     def enabled(self, pass_name):
         return pass_name not in self.disable
 
+    def cache_key(self):
+        """These options as text that is the same in every process for the same options (the FX graph
+        cache key hashes it): ``repr`` shows a callable's address, so with one every process missed the cache."""
+        return repr([(f.name, _stable_key(getattr(self, f.name))) for f in dataclasses.fields(self)])
+
+
+def _bad(name, value, expected):
+    return ValueError(f"flashoptim: option {name!r} must be {expected}, got {value!r}")
+
 
 def _flag(options, name):
     value = options.get(name, False)
     if not isinstance(value, bool):
-        raise ValueError(f"flashoptim: option {name!r} must be True or False, got {value!r}")
+        raise _bad(name, value, "True or False")
+    return value
+
+
+def _int(options, name, kind, minimum, default):
+    value = options.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:  # bool is an int subclass
+        raise _bad(name, value, f"a {kind} int (e.g. {default}, the default)")
+    return value
+
+
+def _choice(options, name, choices, default):
+    value = options.get(name, default)
+    if value not in choices:
+        raise _bad(name, value, ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}")
+    return value
+
+
+def _strings(options, name, items, example):
+    """A str, or an iterable of str, as a tuple."""
+    value = options.get(name, ())
+    if isinstance(value, str):
+        return (value,)
+    names = tuple(value) if isinstance(value, Iterable) else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise _bad(name, value, f"a str or an iterable of {items}, e.g. {example!r}")
+    return names
+
+
+def _config_patches(options, name):
+    value = options.get(name, {})
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise _bad(name, value, "a dict of Inductor config names to values, e.g. {'combo_kernels': True}")
+    return value
+
+
+def _folder(options, name):
+    value = options.get(name)
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise _bad(name, value, "a folder path (str or os.PathLike) or None")
+    return None if value is None else os.fspath(value)
+
+
+def _callable(options, name, expected):
+    value = options.get(name)
+    if value is not None and not callable(value):
+        raise _bad(name, value, f"None or {expected}")
     return value
 
 
@@ -112,3 +159,45 @@ def _check_pass_names(names):
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"flashoptim: option 'disable' names unknown pass(es) {unknown}; passes are {known}")
+
+
+def _stable_key(value):
+    """``value`` as text that does not depend on the process: a custom pass by its uuid (as Inductor
+    keys it), a function by its code, a tuple item by item, anything else by repr."""
+    if isinstance(value, CustomGraphPass):
+        return f"{_qualified_name(type(value))} uuid {value.uuid()!r}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({', '.join(map(_stable_key, value))})"
+    if inspect.isfunction(value) or inspect.ismethod(value):
+        return _function_key(value)
+    return repr(value)
+
+
+def _function_key(fn):
+    """Module, qualname and a hash of the code object, then what else decides the result: defaults,
+    closure cells and the bound object, by repr (where that shows an address, it only costs misses).
+    The code object, not ``inspect.getsource``: that is the whole line, the same for two lambdas on it,
+    and there is none for a function defined in ``python -c``."""
+    code = hashlib.sha256(repr(_code_key(fn.__code__)).encode()).hexdigest()
+    cells = tuple(cell.cell_contents for cell in fn.__closure__ or ())
+    state = (fn.__defaults__, fn.__kwdefaults__, cells, getattr(fn, "__self__", None))
+    return f"{_qualified_name(fn)} code {code} state {state!r}"
+
+
+def _code_key(code):
+    """What a code object does, without its address or source position."""
+    return code.co_code, code.co_names, tuple(map(_constant_key, code.co_consts))
+
+
+def _constant_key(constant):
+    if isinstance(constant, types.CodeType):  # a nested function, lambda or comprehension
+        return _code_key(constant)
+    if isinstance(constant, frozenset):  # its order follows the process's hash seed
+        return "frozenset", sorted(repr(_constant_key(c)) for c in constant)
+    if isinstance(constant, tuple):
+        return tuple(map(_constant_key, constant))
+    return constant
+
+
+def _qualified_name(obj):
+    return f"{obj.__module__}.{obj.__qualname__}"

@@ -11,11 +11,13 @@ import functools
 import hashlib
 import inspect
 import pathlib
+import pickle
 import sys
 import warnings
 from typing import Callable
 
 import torch.fx as fx
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from flash_inductor import graph_utils
@@ -103,21 +105,29 @@ def _assign_graph(dst: fx.Graph, src: fx.Graph):
     dst.output(dst.graph_copy(src, {}))
 
 
-class AtenPasses(CustomGraphPass):
-    """The aten-level passes as one Inductor post-grad custom pass.
+# Newer torch hands a post-grad pass of this class ``is_inference``; AtenPasses is one, to hand it on
+# to a user's pass that needs it. torch 2.11 has no such passes.
+_INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
 
-    torch 2.11 accepts one pass object per hook, so all sub-passes run from here. ``uuid`` hashes
-    the sources of the passes, of this package (the numerics they call) and the options, so
-    Inductor's FX graph cache never returns a graph compiled with other passes or options.
+
+class AtenPasses(_INFERENCE_AWARE or CustomGraphPass):
+    """The aten-level passes as one Inductor post-grad custom pass, then the user's post-grad passes.
+
+    torch 2.11 accepts one pass object per hook, so all sub-passes run from here, and so does the
+    user's ``post_grad_custom_post_pass`` (Inductor's config or the option ``inductor``), after them:
+    this object takes its place in the hook. ``uuid`` hashes the sources of the passes, of this
+    package (the numerics they call), the user's passes' uuids and the options, so Inductor's FX
+    graph cache never returns a graph compiled with other passes or options.
     """
 
-    def __init__(self, passes, ctx, graph_name):
+    def __init__(self, passes, ctx, graph_name, user_passes=None):
         self.passes = [p for p in passes if ctx.options.enabled(p.name)]
         self.ctx = ctx
         self.graph_name = graph_name
+        self.user_passes = _as_pass_tuple(user_passes)
         self.rewritten = {}
 
-    def __call__(self, graph: fx.Graph) -> None:
+    def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
         if self.ctx.recorder:
             self.ctx.recorder.stage(ATEN, "post_grad", _graph_code(graph))
         for graph_pass in self.passes:
@@ -133,14 +143,33 @@ class AtenPasses(CustomGraphPass):
                 self.rewritten.setdefault(graph_pass.name, []).extend(names)
             if self.ctx.recorder:
                 self.ctx.recorder.stage(ATEN, graph_pass.name, _graph_code(graph), names)
+        for user_pass in self.user_passes:
+            if _INFERENCE_AWARE is not None and isinstance(user_pass, _INFERENCE_AWARE):
+                user_pass(graph, is_inference=is_inference)
+            else:
+                user_pass(graph)
 
     def uuid(self):
+        user_uuids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.user_passes]
+        if not all(user_uuids):
+            # Inductor bypasses the FX graph cache for a pass it cannot key (a plain callable, or a
+            # uuid of None); None makes it bypass the cache for ours, which runs that pass.
+            return None
         digest = hashlib.sha256(_package_source_digest())
         for graph_pass in self.passes:
             digest.update(graph_pass.name.encode())
             digest.update(graph_pass.source().encode())
-        digest.update(repr(self.ctx.options).encode())
+        for user_uuid in user_uuids:
+            digest.update(pickle.dumps(user_uuid))  # Inductor asks of a uuid only that it pickles
+        digest.update(self.ctx.options.cache_key().encode())
         return digest.hexdigest()
+
+
+def _as_pass_tuple(value):
+    """A post-grad hook's value (None, one pass or, in newer torch, a list of them) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
 @functools.cache

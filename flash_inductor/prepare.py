@@ -4,15 +4,19 @@ Everything is converted in place and allocated in its compressed form from the s
 optimizer keeps its class, its param groups and its hyperparameters.
 """
 
+import collections
+import copy
 import dataclasses
 import fnmatch
 import types
+import warnings
 import weakref
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-from flash_inductor import fp8_delayed, roles, sharded
+from flash_inductor import fp8_delayed, module_hooks, roles, sharded
 from flash_inductor.formats import companded, split_weights
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State, StateTensor
 
@@ -61,6 +65,7 @@ class PreparedOptimizer:
     error_terms: dict = dataclasses.field(default_factory=dict)  # param -> error term
     param_names: dict = dataclasses.field(default_factory=dict)  # param -> name
     gradient_release: object = None  # a gradient_release.GradientRelease when prepared with it
+    compile_options: dict = dataclasses.field(default_factory=dict)  # how its step is compiled
 
     @property
     def optimizer(self):
@@ -136,9 +141,9 @@ def prepare(
         raise ValueError(f"{type(optimizer).__name__} is already prepared")
     if state_bits not in (8, None):
         raise ValueError(f"state_bits must be 8 or None, got {state_bits!r}")
-    lo_dtype = None if master_weight_bits is None else split_weights.error_term_dtype(master_weight_bits)
+    split_weights.error_term_dtype(master_weight_bits)  # refuses other values
     _check_optimizer(optimizer)
-    names = _param_names(model, optimizer)
+    names = _check_params(model, optimizer)
     for group in optimizer.param_groups:
         _check_group(optimizer, group, names)
     from flash_inductor.options import Options
@@ -154,28 +159,17 @@ def prepare(
         from flash_inductor import gradient_release as release
 
         release.check_model(model)
-    masters = _convert_model(model, keep_fp32)
+    masters = _convert_model(model, keep_fp32, held=set(names))
 
     record = PreparedOptimizer(
         weakref.ref(optimizer), master_weight_bits, state_bits, min_quantized_numel,
-        compressed_state_dict, check_numerics,
+        compressed_state_dict, check_numerics, compile_options=compile_options or {},
     )
     for group in optimizer.param_groups:
-        if group.get("foreach", False) is None:
-            # torch would pick foreach on CUDA; its horizontal kernels cannot fuse with the
-            # per-group absmax of the 8-bit states (docs/notes_optimizer_fusion.md). An explicit
-            # foreach=True is kept.
-            group["foreach"] = False
-        make_lr_tensor(group)
-        for p in group["params"]:
-            record.param_names[p] = names[p]
-            master = masters.pop(p, p.detach())  # dropped once encoded: peak memory stays low
-            if lo_dtype is not None and p.dtype in (torch.bfloat16, torch.float16):
-                # Per local shard for a sharded (DTensor) parameter: see flash_inductor/sharded.py.
-                hi, lo = split_weights.encode(sharded.local(master).float(), p.dtype, lo_dtype)
-                sharded.local(p.detach()).copy_(hi)
-                record.error_terms[p] = sharded.like(p, lo)
-            init_state(optimizer, record, group, p)
+        prepare_group(optimizer, record, group, masters, names)
+    for name, module in model.named_modules():
+        if any(record.error_term(p) is not None for p in module.parameters(recurse=False)):
+            module_hooks.split_weights_on_load(module)
     roles.PREPARED[optimizer] = record
     if gradient_release:
         record.gradient_release = release.GradientRelease.install(optimizer, record, compile_options or {})
@@ -183,10 +177,89 @@ def prepare(
         sharded.route_step_through_local_optimizer(optimizer, record, compile_options or {})
     else:
         route_step_through_backend(optimizer, compile_options or {})
+    _install_prepared_methods(optimizer)
+    return model
+
+
+def prepare_group(optimizer, record, group, masters, names):
+    """Give the parameters of ``group`` their stored form: error terms from their fp32 masters
+    (``masters``, else their own values) and states; ``lr`` becomes a tensor."""
+    if group.get("foreach", False) is None:
+        # torch would pick foreach on CUDA; its horizontal kernels cannot fuse with the
+        # per-group absmax of the 8-bit states (docs/notes_optimizer_fusion.md). An explicit
+        # foreach=True is kept.
+        group["foreach"] = False
+    make_lr_tensor(group)
+    lo_dtype = None if record.master_weight_bits is None else split_weights.error_term_dtype(record.master_weight_bits)
+    for p in group["params"]:
+        record.param_names[p] = names[p]
+        master = masters.pop(p, None)  # dropped once encoded: peak memory stays low
+        if master is None:
+            master = _FP32_ORIGINALS.pop(p, None)
+        if master is None:
+            master = p.detach()
+        if not sharded.is_sharded(p) and not p.is_contiguous():
+            # The compiled step views parameters, gradients and states in groups of 32.
+            p.data = p.data.contiguous()
+        if lo_dtype is not None and p.dtype in (torch.bfloat16, torch.float16):
+            # Per local shard for a sharded (DTensor) parameter: see flash_inductor/sharded.py.
+            hi, lo = split_weights.encode(sharded.local(master).float().contiguous(), p.dtype, lo_dtype)
+            sharded.local(p.detach()).copy_(hi)
+            record.error_terms[p] = sharded.like(p, lo)
+        init_state(optimizer, record, group, p)
+
+
+def _install_prepared_methods(optimizer):
+    """Checkpoint hooks, and ``add_param_group`` / ``copy.deepcopy`` that know the stored form."""
     from flash_inductor import checkpoint
 
     checkpoint.install_hooks(optimizer)
-    return model
+    original_add_param_group = optimizer.add_param_group
+
+    def add_param_group(self, param_group):
+        record = prepared(self)
+        if record.gradient_release is not None or any(sharded.is_sharded(p) for p in record.params()):
+            raise ValueError(
+                f"{type(self).__name__}.add_param_group after flash_inductor.prepare is not supported with gradient "
+                "release or FSDP2; add every param group before prepare"
+            )
+        new = dict(param_group, params=_as_param_list(param_group["params"]))
+        names = {p: f"param_groups[{len(self.param_groups)}][{i}]" for i, p in enumerate(new["params"])}
+        _check_group(self, new, names)
+        _check_not_held_elsewhere(self, names)
+        original_add_param_group(new)
+        prepare_group(self, record, self.param_groups[-1], {}, names)
+
+    optimizer.add_param_group = types.MethodType(add_param_group, optimizer)
+    optimizer.__deepcopy__ = types.MethodType(_deepcopy_prepared, optimizer)
+
+
+def _as_param_list(params):
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _deepcopy_prepared(optimizer, memo):
+    """``copy.deepcopy`` of a prepared optimizer: a prepared optimizer over the copied parameters,
+    with copies of their error terms and states, stepping through the backend like the original.
+    Like torch's own deepcopy of an optimizer, it holds only defaults, state and param groups."""
+    record = prepared(optimizer)
+    if record.gradient_release is not None or any(sharded.is_sharded(p) for p in record.params()):
+        raise TypeError(
+            "copy.deepcopy of an optimizer prepared with gradient_release=True or over FSDP2 parameters is not "
+            "supported; save and load its state_dict instead"
+        )
+    copied = type(optimizer).__new__(type(optimizer))
+    memo[id(optimizer)] = copied
+    copied.__setstate__(copy.deepcopy(optimizer.__getstate__(), memo))
+    roles.PREPARED[copied] = dataclasses.replace(
+        record,
+        optimizer_ref=weakref.ref(copied),
+        error_terms={copy.deepcopy(p, memo): copy.deepcopy(e, memo) for p, e in record.error_terms.items()},
+        param_names={copy.deepcopy(p, memo): n for p, n in record.param_names.items()},
+    )
+    route_step_through_backend(copied, record.compile_options)
+    _install_prepared_methods(copied)
+    return copied
 
 
 def _check_optimizer(optimizer):
@@ -217,62 +290,91 @@ def _check_group(optimizer, group, names):
             )
 
 
-def _param_names(model, optimizer):
+def _check_params(model, optimizer):
+    """{param: name in ``model``} of the optimizer's parameters; refuses a parameter that is not the
+    model's, appears twice, or belongs to another prepared optimizer (they would share, and fight
+    over, one error term and one state)."""
     by_param = {p: n for n, p in model.named_parameters()}
     names = {}
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
-            names[p] = by_param.get(p, f"param_groups[{gi}][{pi}]")
+            where = f"param_groups[{gi}][{pi}]"
+            if p not in by_param:
+                raise ValueError(
+                    f"flash_inductor.prepare: the optimizer's {where} ({p.dtype}{list(p.shape)}) is not a parameter of "
+                    f"the {type(model).__name__} passed to prepare; pass the model whose parameters the optimizer holds"
+                )
+            if p in names:
+                raise ValueError(
+                    f"flash_inductor.prepare: parameter '{by_param[p]}' appears twice in the optimizer ({where} and "
+                    "earlier); each parameter may be in one param group once"
+                )
+            names[p] = by_param[p]
+    _check_not_held_elsewhere(optimizer, names)
     return names
+
+
+def _check_not_held_elsewhere(optimizer, names):
+    for p, name in names.items():
+        other = roles.holder(p)
+        if other is not None and other.optimizer is not optimizer:
+            raise ValueError(
+                f"flash_inductor.prepare: parameter '{name}' is already held by another prepared "
+                f"{type(other.optimizer).__name__}; two optimizers over one parameter would overwrite each other's "
+                "error term and states: give each parameter to one optimizer"
+            )
 
 
 def _keeps_fp32(name, module, patterns):
     return isinstance(module, NORM_LAYERS) or any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
 
 
-def _convert_model(model, keep_fp32):
+# parameter -> its fp32 value before ``prepare`` cast it, for trainable parameters the preparing
+# optimizer did not hold: another optimizer's ``prepare`` takes it as their master.
+_FP32_ORIGINALS = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
+
+
+def _convert_model(model, keep_fp32, held):
     """Cast fp32 parameters and buffers (except FP8 delayed-scaling state) to bf16 in place (same
-    Parameter objects); return the original fp32 values of the cast parameters, which become their
-    masters."""
+    Parameter objects); return the original fp32 values of the cast parameters in ``held``, which
+    become their masters. Those of other trainable parameters are kept in ``_FP32_ORIGINALS``
+    until the optimizer that holds them is prepared."""
     masters = {}
     kept = []
+    retained = []
     for name, module in model.named_modules():
         if _keeps_fp32(name, module, keep_fp32):
             if any(p.dtype == torch.float32 for p in module.parameters(recurse=False)):
                 kept.append(module)
             continue
-        for p in module.parameters(recurse=False):
-            if p.dtype == torch.float32 and sharded.is_sharded(p):
-                masters[p] = sharded.cast_parameter(p, torch.bfloat16)
-            elif p.dtype == torch.float32:
-                masters[p] = p.data  # the fp32 storage itself: p.data is replaced, not written
+        for pname, p in module.named_parameters(recurse=False):
+            if p.dtype != torch.float32:
+                continue
+            if sharded.is_sharded(p):
+                original = sharded.cast_parameter(p, torch.bfloat16)
+            else:
+                original = p.data  # the fp32 storage itself: p.data is replaced, not written
                 p.data = p.data.to(torch.bfloat16)
+            if p in held:
+                masters[p] = original
+            elif p.requires_grad:
+                _FP32_ORIGINALS[p] = original
+                retained.append((f"{name}.{pname}" if name else pname, original))
         for bname, b in module.named_buffers(recurse=False):
             if b.dtype == torch.float32 and not fp8_delayed.is_state_buffer(bname):
                 setattr(module, bname, b.to(torch.bfloat16))
     for module in kept:
-        _cast_io_to_fp32(module)
-    return masters
-
-
-def _cast_io_to_fp32(module):
-    def cast_inputs(mod, args, kwargs):
-        def up(t):
-            return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t
-
-        mod._flashoptim_input_dtype = next(
-            (a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None
+        module_hooks.keep_fp32_with_io_casts(module)
+    if retained:
+        mib = sum(t.numel() * t.element_size() for _, t in retained) / 2**20
+        warnings.warn(
+            f"flash_inductor.prepare: {len(retained)} trainable parameters of the model are not in this optimizer "
+            f"(e.g. '{retained[0][0]}'); they became bf16 and their fp32 values ({mib:.1f} MiB) are kept until the "
+            "optimizer that holds them is prepared, which takes them as masters. Freeze parameters no optimizer "
+            "trains (requires_grad_(False)) before prepare to drop them.",
+            stacklevel=3,
         )
-        return tuple(up(a) for a in args), kwargs
-
-    def cast_output(mod, args, kwargs, output):
-        dtype = mod._flashoptim_input_dtype
-        if isinstance(output, torch.Tensor) and dtype in (torch.bfloat16, torch.float16):
-            return output.to(dtype)
-        return output
-
-    module.register_forward_pre_hook(cast_inputs, with_kwargs=True)
-    module.register_forward_hook(cast_output, with_kwargs=True)
+    return masters
 
 
 def make_lr_tensor(group):
@@ -331,7 +433,8 @@ def route_step_through_backend(optimizer, compile_options):
             return original(closure)
         loss = evaluate_closure(closure)
         checks.check_before_step(self)
-        run_compiled_step(compiled)
+        module_hooks.forget_loaded_error_terms(prepared(self).params())
+        run_compiled_step(compiled, self)
         return loss
 
     optimizer.step = types.MethodType(step, optimizer)
@@ -350,7 +453,7 @@ _RUN_STEPS = weakref.WeakSet()  # the compiled steps run so far (alive)
 _run_step_count = 0  # how many distinct compiled steps have run in this process, dead ones included
 
 
-def run_compiled_step(compiled):
+def run_compiled_step(compiled, optimizer):
     """Call a compiled optimizer step with a Dynamo cache large enough for every prepared step.
 
     Every optimizer of a class shares one Dynamo cache (one code object, guarded on ``self``), and
@@ -360,7 +463,8 @@ def run_compiled_step(compiled):
     Past the limit Dynamo would silently run the step eagerly, without the passes; it raises
     instead. Float hyperparameters (betas, weight decay, momentum) are specialized: a changed value
     recompiles the step, where Dynamo would otherwise make it a graph input read with ``.item()``,
-    which the passes cannot rewrite.
+    which the passes cannot rewrite; a recompile limit hit because they change every step raises
+    an error naming them.
     """
     global _run_step_count
     if compiled not in _RUN_STEPS:
@@ -370,4 +474,30 @@ def run_compiled_step(compiled):
     limit = max(config.recompile_limit, 2 * _run_step_count + 8)
     with config.patch(recompile_limit=limit, accumulated_recompile_limit=max(config.accumulated_recompile_limit, limit),
                       fail_on_recompile_limit_hit=True, specialize_float=True):
-        compiled()
+        seen = _FLOAT_HYPERPARAMETERS.setdefault(optimizer, collections.defaultdict(set))
+        for gi, group in enumerate(optimizer.param_groups):
+            for key, value in group.items():
+                if key != "params" and _is_float_constant(value):
+                    seen[gi, key].add(value)
+        try:
+            compiled()
+        except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+            changing = [f"param_groups[{gi}]['{key}']" for (gi, key), values in seen.items() if len(values) > 1]
+            if not changing:
+                raise
+            raise RuntimeError(
+                f"flash_inductor: the {type(optimizer).__name__} step recompiled for every new value of "
+                f"{', '.join(changing)} and hit Dynamo's recompile limit: float hyperparameters are constants of the "
+                "compiled step (lr is a tensor and may change freely). A scheduler that changes them every step, such "
+                "as OneCycleLR with its default cycle_momentum=True (betas / momentum), needs cycle_momentum=False; "
+                "or keep them fixed"
+            ) from error
+
+
+# optimizer -> {(group index, key): values of its float hyperparameters seen at compiled steps}
+_FLOAT_HYPERPARAMETERS = weakref.WeakKeyDictionary()
+
+
+def _is_float_constant(value):
+    return isinstance(value, float) or (isinstance(value, tuple) and all(isinstance(v, float) for v in value))
+

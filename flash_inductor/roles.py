@@ -19,9 +19,28 @@ from flash_inductor import graph_utils
 PARAM = "param"
 GRAD = "grad"
 STATE = "state"
+HYPER = "hyperparameter"  # a tensor in a param group: lr, betas
 
 # optimizer -> its PreparedOptimizer record; filled by flash_inductor.prepare.
 PREPARED = weakref.WeakKeyDictionary()
+
+
+def holder(param):
+    """The PreparedOptimizer whose optimizer holds ``param``, or None."""
+    for record in list(PREPARED.values()):  # a list: see _tensor_index
+        optimizer = record.optimizer
+        if optimizer is not None and any(p is param for g in optimizer.param_groups for p in g["params"]):
+            return record
+    return None
+
+
+def error_term_of(param):
+    """The error term of ``param`` in the prepared optimizer that holds it, or None."""
+    for record in list(PREPARED.values()):
+        error = record.error_terms.get(param)
+        if error is not None:
+            return error
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +51,15 @@ class Role:
     state_key: str | None = None
 
     def describe(self):
+        if self.kind == HYPER:
+            return f"{HYPER}:{self.state_key}"
         name = self.prepared.param_names.get(self.param, "?")
         return f"{self.kind}:{name}" + (f"[{self.state_key}]" if self.state_key else "")
 
     def node_name(self, suffix):
         """A readable name for a node derived from this input: ``fc1_weight_exp_avg_fp32``."""
+        if self.kind == HYPER:
+            return graph_utils.python_name(f"{self.state_key}_{suffix}")
         parts = [self.prepared.param_names.get(self.param, "param")]
         parts += {PARAM: [], GRAD: ["grad"], STATE: [self.state_key]}[self.kind]
         return graph_utils.python_name("_".join(parts + [suffix]))
@@ -62,6 +85,12 @@ def _tensor_index():
     # The list holds each optimizer strongly while we read it: a cyclic garbage collection in the
     # middle of the loop could otherwise free one whose record we are reading.
     for optimizer, prepared in list(PREPARED.items()):
+        for group in optimizer.param_groups:
+            for key, value in group.items():
+                items = enumerate(value) if isinstance(value, (tuple, list)) else [(None, value)]
+                for i, v in items:
+                    if isinstance(v, torch.Tensor) and key != "params":
+                        index[id(v)] = Role(HYPER, None, prepared, key if i is None else f"{key}[{i}]")
         for param in prepared.params():
             index[id(param)] = Role(PARAM, param, prepared)
             if param.grad is not None:

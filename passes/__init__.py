@@ -9,11 +9,13 @@ from flash_inductor.pipeline import ATEN, TORCH, GraphPass
 from .companded_states import companded_states_pass
 from .fp8_collectives import fp8_collectives_pass
 from .fp8_linear import fp8_linear_pass
+from .fp32_hyperparameters import fp32_hyperparameters_pass
 from .split_weights import split_weights_pass
 
 # companded_states runs first: it sets the layout of the update (see update_shape), which
 # split_weights then decodes the master in.
 TORCH_PASSES = (
+    GraphPass("fp32_hyperparameters", TORCH, fp32_hyperparameters_pass, required_for_prepared=True),
     GraphPass("companded_states", TORCH, companded_states_pass, required_for_prepared=True),
     GraphPass("split_weights", TORCH, split_weights_pass, required_for_prepared=True),
     GraphPass("fp8_linear", TORCH, fp8_linear_pass),

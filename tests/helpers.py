@@ -2,6 +2,7 @@
 
 import math
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -61,3 +62,17 @@ def ref_decode_state(codes, scales, shape, kind):
     else:
         x = (q / 255 * s) ** 2
     return x.reshape(-1)[: math.prod(shape)].reshape(shape)
+
+
+def snapshot(model, opt):
+    """Every stored bit: parameters, error terms, states (their stored form), lr."""
+    out = stored_bits(model, opt)
+    for i, group in enumerate(opt.param_groups):
+        out[f"lr{i}"] = torch.as_tensor(group["lr"]).clone()
+    return out
+
+
+def assert_unchanged(before, after):
+    assert before.keys() == after.keys()
+    changed = [k for k in before if before[k].dtype != after[k].dtype or not torch.equal(before[k], after[k])]
+    assert not changed, f"changed: {changed}"

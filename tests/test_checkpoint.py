@@ -15,6 +15,7 @@ no helper of ``flash_inductor`` is used to compute an expected value.
 import copy
 import io
 import math
+import re
 
 import pytest
 import torch
@@ -434,3 +435,105 @@ def test_resume_is_bit_exact(name, compressed):
     opt2.load_state_dict(checkpoint["optimizer"])
     run(model2, opt2, grads[3:])
     assert_same_bits(stored_bits(model2, opt2), straight)
+
+
+# ------------------------------------------------------------------ (f) refused loads (issue 12)
+
+
+def hyperparameters(opt):
+    """Each param group's object, its lr tensor (the object schedulers fill) and its other entries."""
+    return [(g, g["lr"], float(g["lr"]), {k: v for k, v in g.items() if k not in ("params", "lr")}) for g in opt.param_groups]
+
+
+def assert_same_hyperparameters(opt, before):
+    after = hyperparameters(opt)
+    assert len(after) == len(before)
+    for (group, lr, value, rest), (group0, lr0, value0, rest0) in zip(after, before):
+        assert group is group0 and lr is lr0 and value == value0 and rest == rest0
+
+
+def _set(entry, key, fn):
+    entry[key] = fn(entry[key])
+
+
+# What each corruption of a compressed AdamW state dict of ``Net`` does (index 4: fc2.weight, 8-bit
+# states; index 1: fc1.bias, fp32 states), and the key the refusal must name.
+CORRUPTIONS = {
+    "error_term_shape": (4, "error_term", lambda e: _set(e, "error_term", lambda t: t[:10])),
+    "error_term_dtype": (4, "error_term", lambda e: _set(e, "error_term", lambda t: t.float())),
+    "error_term_not_a_tensor": (4, "error_term", lambda e: _set(e, "error_term", lambda t: t.tolist())),
+    "state_size": (1, "exp_avg", lambda e: _set(e, "exp_avg", lambda t: t[:10])),
+    "compressed_kind": (4, "exp_avg", lambda e: _set(e["exp_avg"], "kind", lambda k: "sqrt")),
+    "compressed_size": (4, "exp_avg_sq", lambda e: _set(e["exp_avg_sq"], "codes", lambda c: c[:-1])),
+    "compressed_without_scales": (4, "exp_avg", lambda e: e["exp_avg"].pop("scales")),
+    "float_codes": (4, "exp_avg", lambda e: _set(e["exp_avg"], "codes", lambda c: c.float())),
+    "signed_codes_as_uint8": (4, "exp_avg", lambda e: _set(e["exp_avg"], "codes", lambda c: c.to(torch.uint8))),
+    "sqrt_codes_as_int8": (4, "exp_avg_sq", lambda e: _set(e["exp_avg_sq"], "codes", lambda c: c.to(torch.int8))),
+    "signed_code_-128": (4, "exp_avg", lambda e: e["exp_avg"]["codes"].view(-1).__setitem__(5, -128)),
+    "fp32_scales": (4, "exp_avg", lambda e: _set(e["exp_avg"], "scales", lambda s: s.float())),
+    "negative_scale": (4, "exp_avg_sq", lambda e: e["exp_avg_sq"]["scales"].__setitem__(3, -1.0)),
+    "inf_scale": (4, "exp_avg", lambda e: e["exp_avg"]["scales"].__setitem__(3, float("inf"))),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_refused_load_leaves_the_optimizer_as_it_was(corruption):
+    """Every refusal of ``load_state_dict`` names the parameter and the state key, and changes
+    nothing: states, error terms, parameters, param groups (the lr tensor object too); the next step
+    runs."""
+    model, opt = make("AdamW", compressed_state_dict=True)
+    grads = grad_list(model, 4)
+    run(model, opt, grads[:2])
+    sd = roundtrip(opt.state_dict())
+    run(model, opt, grads[2:3])  # the optimizer now differs from sd: a partial load would show
+    index, key, corrupt = CORRUPTIONS[corruption]
+    corrupt(sd["state"][index])
+    before, groups = stored_bits(model, opt), hyperparameters(opt)
+    name = list(dict(model.named_parameters()))[index]
+    with pytest.raises(ValueError, match=rf"saved '{key}' of parameter '{re.escape(name)}'"):
+        opt.load_state_dict(sd)
+    assert_same_bits(stored_bits(model, opt), before)
+    assert_same_hyperparameters(opt, groups)
+    run(model, opt, grads[3:])
+
+
+def nan_as_bits(tensors):
+    """fp16 tensors as their bits, so that nan equals nan."""
+    return {k: v.view(torch.int16) if v.dtype == torch.float16 else v for k, v in tensors.items()}
+
+
+def test_compressed_load_accepts_the_nan_scale_of_a_non_finite_group():
+    """The format stores a group holding inf/nan as a nan scale (codes 0): such a state reloads."""
+    model, opt = make("AdamW", compressed_state_dict=True)
+    run(model, opt, grad_list(model, 1))
+    fc1 = model.fc1.weight
+    opt.state[fc1]["exp_avg"].store(torch.full(fc1.shape, float("inf")))
+    assert torch.isnan(opt.state[fc1]["exp_avg"].scales).all()
+    model2, opt2 = make("AdamW", seed=1, compressed_state_dict=True)
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(roundtrip(opt.state_dict()))
+    assert_same_bits(nan_as_bits(stored_bits(model2, opt2)), nan_as_bits(stored_bits(model, opt)))
+
+
+@pytest.mark.parametrize("entry_point", ["master_state_dict", "load_master_state_dict"])
+def test_checkpoint_entry_points_refuse_an_unprepared_optimizer(entry_point):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters())
+    args = (model, opt) if entry_point == "master_state_dict" else (model, opt, {})
+    with pytest.raises(ValueError, match=r"AdamW was not prepared: call flash_inductor.prepare\(model, optimizer\) first"):
+        getattr(flash_inductor, entry_point)(*args)
+
+
+@pytest.mark.parametrize("bad", ["int64", "bool", "list", "number"])
+def test_load_master_state_dict_refuses_non_floating_values_without_writing(bad):
+    model, opt = make("AdamW")
+    before = stored_bits(model, opt)
+    good = flash_inductor.master_state_dict(model, opt)
+    value = {
+        "int64": good["fc2.weight"].long(), "bool": good["fc2.weight"] > 0,
+        "list": good["fc2.weight"].tolist(), "number": 1.0,
+    }[bad]
+    with pytest.raises(ValueError, match=r"'fc2\.weight'.*floating-point tensor"):
+        flash_inductor.load_master_state_dict(model, opt, {"fc1.weight": good["fc1.weight"] + 1, "fc2.weight": value})
+    assert_same_bits(stored_bits(model, opt), before)

@@ -18,7 +18,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 import flash_inductor
 from flash_inductor import roles
-from helpers import EAGER, Net, stored_bits
+from helpers import EAGER, Net, assert_unchanged, snapshot
 
 pytestmark = [
     pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed"),
@@ -26,27 +26,8 @@ pytestmark = [
 ]
 
 
-
-
-
-
-
 def snapshot_model(model):
     return {n: (p.dtype, p.detach().clone()) for n, p in model.named_parameters()}
-
-
-def snapshot(model, opt):
-    """Every stored bit: parameters, error terms, states (their stored form), lr."""
-    out = stored_bits(model, opt)
-    for i, group in enumerate(opt.param_groups):
-        out[f"lr{i}"] = torch.as_tensor(group["lr"]).clone()
-    return out
-
-
-def assert_unchanged(before, after):
-    assert before.keys() == after.keys()
-    changed = [k for k in before if before[k].dtype != after[k].dtype or not torch.equal(before[k], after[k])]
-    assert not changed, f"changed: {changed}"
 
 
 # ------------------------------------------------------------------------ errors at prepare time
@@ -321,7 +302,6 @@ def test_many_prepared_optimizers_all_update_their_error_terms():
         model.fc.weight.grad = torch.randn_like(model.fc.weight)
         opt.step()
         assert not torch.equal(before, error), f"optimizer {i}: error term not updated"
-
 
 
 def test_a_step_the_passes_cannot_rewrite_fails_loudly_instead_of_compiling_without_them():

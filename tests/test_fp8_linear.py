@@ -1,5 +1,5 @@
-"""FP8 linear layers through the backend (option fp8="tensorwise"), on CPU (torch 2.13 runs
-``_scaled_mm`` with float8 operands on the CPU)."""
+"""FP8 linear layers through the backend (option fp8="tensorwise"), on CPU (the FP8 GEMMs multiply
+the float8 operands as fp32 there: ``flash_inductor.fp8_linear._scaled_mm``)."""
 
 import copy
 
@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import flash_inductor
+from flash_inductor import fp8_linear
 from flash_inductor.demo import TinyGPT, lm_train_step
 from flash_inductor.formats import fp8
 from helpers import EAGER
@@ -61,13 +62,13 @@ def test_fast_accum_option_reaches_the_forward_gemm_only(fast_accum, monkeypatch
     """Option ``fp8_fast_accum``: the forward GEMM runs with ``use_fast_accum=True`` (torchao's
     default for the output GEMM); both gradient GEMMs keep fp32 accumulation."""
     calls = []
-    scaled_mm = torch._scaled_mm
+    scaled_mm = fp8_linear._scaled_mm
 
-    def recording_scaled_mm(*args, use_fast_accum=False, **kwargs):
-        calls.append(use_fast_accum)
-        return scaled_mm(*args, use_fast_accum=use_fast_accum, **kwargs)
+    def recording_scaled_mm(a, a_inv_scale, b_t, b_inv_scale, fast_accum=False):
+        calls.append(fast_accum)
+        return scaled_mm(a, a_inv_scale, b_t, b_inv_scale, fast_accum)
 
-    monkeypatch.setattr(torch, "_scaled_mm", recording_scaled_mm)
+    monkeypatch.setattr(fp8_linear, "_scaled_mm", recording_scaled_mm)
     model = nn.Linear(64, 128)
     compiled = flash_inductor.compile(model, **EAGER, fp8="tensorwise", fp8_min_weight_numel=0, fp8_fast_accum=fast_accum)
     out = compiled(torch.randn(4, 64))

@@ -35,6 +35,18 @@ from flash_inductor.formats.state_tensor import CompandedState, Fp32State
 from flash_inductor.optim import SGDW, Lion
 from flash_inductor.pipeline import PassFailed
 from helpers import EAGER, ref_decode_state
+from reference import (
+    BF16,
+    FP16,
+    GROUP,
+    RefLion,
+    RefSGDW,
+    ref_one_step,
+    ref_split_decode,
+    ref_split_encode,
+    ref_state_encode,
+    ulp_log2,
+)
 
 # A pass that fails is skipped with a warning and the step silently runs without it: here, fail.
 pytestmark = [
@@ -42,73 +54,6 @@ pytestmark = [
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
 STEPS = 50
-
-
-
-
-# ============================================================================ fp64 format references
-
-INF = float("inf")
-# (mantissa bits, exponent of the smallest normal, largest finite value)
-BF16 = (7, -126, (2 - 2.0**-7) * 2.0**127)
-FP16 = (10, -14, 65504.0)
-GROUP = 32
-
-
-def ref_round(v, fmt):
-    """Round float64 ``v`` to format ``fmt``: nearest, ties to even, overflow to inf (by hand, so
-    no double rounding through fp32)."""
-    mant, emin, fmax = fmt
-    v = v.double()
-    finite = torch.isfinite(v)
-    vf = torch.where(finite, v, torch.zeros_like(v))
-    _, e = torch.frexp(vf)
-    quantum = (torch.clamp(e - 1, min=emin) - mant).double()
-    r = torch.round(vf * torch.exp2(-quantum)) * torch.exp2(quantum)
-    r = torch.where(r.abs() > fmax, torch.copysign(torch.full_like(r, INF), vf), r)
-    return torch.where(finite, r, v)
-
-
-def ulp_log2(v64, fmt):
-    """log2 of the spacing of format ``fmt`` at |v| (finite v)."""
-    mant, emin, _ = fmt
-    _, e = torch.frexp(v64)
-    return (torch.where(v64 == 0, emin, torch.clamp(e - 1, min=emin)) - mant).double()
-
-
-def ref_split_decode(hi, lo, n):
-    """DESIGN §2.1 decode, exact in float64: ``hi + lo / N * 2**(e - m - 1)``."""
-    hi = hi.double()
-    return hi + lo.double() / n * torch.exp2(ulp_log2(hi, BF16) - 1)
-
-
-def ref_split_encode(x64, n):
-    """DESIGN §2.1 encode of a float64 master: (hi float64, lo int64, log2 of half an ulp of hi)."""
-    hi = ref_round(x64, BF16)
-    k = ulp_log2(hi, BF16) - 1
-    r = ((x64 - hi) * torch.exp2(-k)).clamp(-1, 1)
-    s = (r * n).abs()
-    whole = torch.floor(s)
-    lo = torch.sign(r) * (whole + (s - whole >= 0.5).double())  # round half away from zero
-    return hi, lo.long(), k
-
-
-
-
-def ref_state_encode(x64, kind):
-    """DESIGN §2.2 encode in float64: (codes int64, fp16 scales as float64)."""
-    flat = x64.double().reshape(-1)
-    groups = torch.cat([flat, flat.new_zeros((-flat.numel()) % GROUP)]).view(-1, GROUP)
-    if kind == "sqrt":
-        groups = groups.clamp(min=0).sqrt()
-    scale = ref_round(groups.abs().amax(dim=1).clamp(1e-12, FP16[2]), FP16)
-    live = (scale > 0)[:, None]
-    u = torch.where(live, groups / torch.where(live, scale[:, None], 1.0), 0.0)
-    if kind == "signed":
-        q = torch.floor(127 * (2 * u / (1 + u.abs())) + 0.5).clamp(-127, 127)
-    else:
-        q = torch.floor(255 * u + 0.5).clamp(0, 255)
-    return q.long().view(-1), scale
 
 
 def test_reference_formats_round_trip():
@@ -129,125 +74,6 @@ def test_reference_formats_round_trip():
     assert codes[0].item() == -127 and codes[31].item() > 0
     sq_codes, sq_scales = ref_state_encode(torch.tensor([4.0, 1.0, 0.0]), "sqrt")
     assert sq_codes[:3].tolist() == [255, 128, 0] and sq_scales.tolist() == [2.0]
-
-
-# ============================================================================ fp64 reference optimizers
-
-
-class RefLion:
-    """fp64 Lion from ``flash_inductor.optim.Lion``'s docstring (momentum starts at zero)::
-
-        p <- p * (1 - lr * wd) - lr * sign(beta1 * m + (1 - beta1) * g);  m <- beta2 * m + (1 - beta2) * g
-    """
-
-    def __init__(self, params, lr, weight_decay=0.0, betas=(0.9, 0.99)):
-        self.params, self.lr, self.wd, self.betas = list(params), lr, weight_decay, betas
-        self.m = [torch.zeros_like(p) for p in self.params]
-
-    @torch.no_grad()
-    def step(self):
-        b1, b2 = self.betas
-        for p, m in zip(self.params, self.m):
-            g = p.grad
-            p.copy_(p * (1 - self.lr * self.wd) - self.lr * torch.sign(b1 * m + (1 - b1) * g))
-            m.copy_(b2 * m + (1 - b2) * g)
-
-
-class RefSGDW:
-    """fp64 SGDW from ``flash_inductor.optim.SGDW``'s docstring (buffer starts at zero)::
-
-        p <- p * (1 - lr * wd);  buf <- momentum * buf + g;  d = g + momentum * buf if nesterov else buf
-        p <- p - lr * d
-    """
-
-    def __init__(self, params, lr, momentum=0.0, weight_decay=0.0, nesterov=False):
-        self.params, self.lr, self.mom, self.wd, self.nesterov = list(params), lr, momentum, weight_decay, nesterov
-        self.buf = [torch.zeros_like(p) for p in self.params]
-
-    @torch.no_grad()
-    def step(self):
-        for p, buf in zip(self.params, self.buf):
-            g = p.grad
-            p.mul_(1 - self.lr * self.wd)
-            if self.mom:
-                buf.copy_(self.mom * buf + g)
-                d = g + self.mom * buf if self.nesterov else buf
-            else:
-                d = g
-            p.sub_(self.lr * d)
-
-
-def fp32_bias_correction(beta, step):
-    """``1 - beta**step`` the way torch's Adam computes it when Dynamo traces it: from the fp32
-    ``step`` tensor (``_get_value`` returns the tensor while compiling), i.e. in fp32, where
-    ``1 - 0.999`` is 1.3e-5 relatively off. That rounding belongs to torch.optim, not to the
-    formats under test, so the one-step reference reproduces it."""
-    b = torch.tensor(beta, dtype=torch.float32) ** torch.tensor(step, dtype=torch.float32)
-    return 1 - b.double()
-
-
-def ref_one_step(algo, h, p, g, states, step):
-    """One fp64 step of ``algo`` from master ``p``, bf16 grad ``g`` and decoded ``states``.
-
-    Returns (new master, new states, size, ambiguous):
-    - size: ``|p|`` plus the update recomputed with every term taken in absolute value, the scale
-      that the fp32 rounding errors of the step are relative to (cancellation in, e.g., Nesterov's
-      ``g + momentum * buf`` leaves those errors in a small result);
-    - ambiguous: elements whose update direction fp32 cannot decide (Lion's sign of a sum that
-      cancels to within fp32 rounding)."""
-    lr, wd = h["lr"], h.get("weight_decay", 0.0)
-    new = dict(states)
-    size = p.abs()
-    ambiguous = torch.zeros_like(p, dtype=torch.bool)
-    if algo in ("adamw", "adam"):  # torch.optim.Adam / AdamW, single- and multi-tensor alike
-        b1, b2 = h["betas"]
-        g_size = g.abs()
-        if algo == "adamw":
-            p = p * (1 - lr * wd)
-        else:
-            g = g + wd * p
-            g_size = g_size + wd * size
-        new["exp_avg"] = b1 * states["exp_avg"] + (1 - b1) * g
-        m_size = b1 * states["exp_avg"].abs() + (1 - b1) * g_size
-        new["exp_avg_sq"] = b2 * states["exp_avg_sq"] + (1 - b2) * g * g
-        v = new["exp_avg_sq"]
-        if h["amsgrad"]:
-            new["max_exp_avg_sq"] = torch.maximum(states["max_exp_avg_sq"], v)
-            v = new["max_exp_avg_sq"]
-        bc1, bc2 = fp32_bias_correction(b1, step), fp32_bias_correction(b2, step)
-        denom = v.sqrt() / bc2.sqrt() + h["eps"]
-        p = p - lr / bc1 * new["exp_avg"] / denom
-        size = size + lr / bc1 * m_size / denom
-    elif algo in ("sgd", "sgdw"):  # torch.optim.SGD (dampening 0) / SGDW docstring
-        mom = h["momentum"]
-        g_size = g.abs()
-        if algo == "sgdw":
-            p = p * (1 - lr * wd)
-        else:
-            g = g + wd * p
-            g_size = g_size + wd * size
-        d, d_size = g, g_size
-        if mom:
-            new["momentum_buffer"] = mom * states["momentum_buffer"] + g
-            buf_size = mom * states["momentum_buffer"].abs() + g_size
-            if h["nesterov"]:
-                d, d_size = g + mom * new["momentum_buffer"], g_size + mom * buf_size
-            else:
-                d, d_size = new["momentum_buffer"], buf_size
-        p = p - lr * d
-        size = size + lr * d_size
-    elif algo == "lion":
-        b1, b2 = h["betas"]
-        p = p * (1 - lr * wd)
-        a, b = b1 * states["exp_avg"], (1 - b1) * g
-        c = a + b
-        ambiguous = (c.abs() <= 2.0**-20 * (a.abs() + b.abs())) & (c != 0)
-        p = p - lr * torch.sign(c)
-        size = size + lr
-        new["exp_avg"] = b2 * states["exp_avg"] + (1 - b2) * g
-    else:
-        raise AssertionError(algo)
-    return p, new, size, ambiguous
 
 
 # ============================================================================ harness

@@ -14,8 +14,26 @@ Exactness (tests/test_formats.py checks ``hi`` and ``lo`` bit for bit against an
 ``x - hi`` and the power-of-two scaling are exact in fp32, but the product ``rel * N`` is not (up to
 24 + 15 significant bits), and ``floor(s + 0.5)`` misrounds just below a .5 boundary. So the code is
 rounded exactly, in fp32 only (no fp64, so it fuses into any Inductor kernel); see ``_round_code``.
-Decode is plain fp32 arithmetic, ``lo * fp32(1/N)`` rather than ``lo / N`` so that every device
-gives the same bits (within one fp32 rounding of the exact value either way).
+
+Round trip: ``encode(decode(encode(x))) == encode(x)`` for every fp32 ``x``, so loading the masters
+that ``master_state_dict`` gives changes no bit (tests/test_exhaustive_formats.py; docs/numerics.md
+has the counts). The plain formulas break it in four ways, fixed as follows; each fix keeps the
+decoded master within half a code step, ``h / (2N)``, of every ``x`` that encodes to the code:
+
+1. Decode of ``lo = +-N`` is the tie ``hi +- h``. Next to an odd mantissa round-to-nearest-even takes
+   it to the neighbour (past the largest value: to inf), which re-encodes with the opposite code.
+   There decode steps one fp32 ulp back toward ``hi``: the largest-magnitude fp32 value on ``hi``'s
+   side of the tie. The encoder emits ``+-N`` next to an odd ``hi`` only when that value itself
+   encodes to ``+-N``, so it round-trips.
+2. The one change to DESIGN's encode: at a binade edge (``hi = +-2**e``, mantissa 0, biased exponent
+   >= 2) the neighbour toward zero is only ``h`` away, so the values on that side that round to
+   ``hi`` span ``rel`` in [-0.5, 0]. Their end, the tie ``rel = -0.5`` (it rounds to the even ``hi``),
+   would get ``round_half_away(-N/2) = -(N+1)/2``, which decodes past the tie to the neighbour. On
+   that side the code magnitude is capped at ``(N-1)/2`` (63 / 16383): half a code step from the tie.
+3. Decode rounds once. ``hi + fp32(lo * fp32(1/N)) * h`` rounds twice; with int16 codes on bf16 a
+   code step is about one fp32 ulp, and codes near ``+-N/2`` decoded to the fp32 value of the next
+   code. ``decode`` sums exactly up to 2**-21 of a code step, then rounds once (its docstring).
+4. ``-0.0`` decodes to ``-0.0``: decode subtracts the negated term (``-0.0 + 0.0`` is ``+0.0``).
 
 Non-finite masters (inf/nan, and finite x whose ``hi`` overflows to inf) keep the non-finite ``hi``
 and store ``lo = 0``. Encode needs ``torch._inductor.config.emulate_precision_casts=True`` when
@@ -60,12 +78,27 @@ def _scale_by_pow2(x, k):
     return x * _pow2(half) * _pow2(k - half)
 
 
+def _magnitude_bits(hi):
+    """The bit pattern of ``|hi|`` (bf16 or fp16) as int32: biased exponent, then mantissa."""
+    return hi.view(_FORMATS[hi.dtype][2]).to(torch.int32) & 0x7FFF
+
+
 def half_ulp_log2(hi):
     """log2 of half an ULP of ``hi`` (bf16 or fp16), as int32: ``e - m - 1``."""
-    mantissa_bits, bias, int_view = _FORMATS[hi.dtype]
-    biased = (hi.view(int_view).to(torch.int32) & 0x7FFF) >> mantissa_bits
+    mantissa_bits, bias, _ = _FORMATS[hi.dtype]
+    biased = _magnitude_bits(hi) >> mantissa_bits
     biased = torch.where(biased == 0, torch.ones_like(biased), biased)
     return biased - (bias + mantissa_bits + 1)
+
+
+def _below_binade_edge(x, hi):
+    """Where ``hi = +-2**e`` (mantissa 0, biased exponent >= 2) and ``|x| < |hi|``: the side where the
+    next value toward zero is only half an ULP of ``hi`` away (for biased exponent 1 it is a
+    subnormal a whole ULP away)."""
+    mantissa_bits = _FORMATS[hi.dtype][0]
+    mag = _magnitude_bits(hi)
+    edge = ((mag & ((1 << mantissa_bits) - 1)) == 0) & (mag >= (2 << mantissa_bits))
+    return edge & (x.abs() < hi.float().abs())
 
 
 def _round_code(rel, n):
@@ -93,18 +126,63 @@ def encode(x, hi_dtype, lo_dtype):
     # Non-finite masters (inf/nan, or hi overflowed to inf) have no meaningful error term; hi
     # carries the value.
     rel = torch.where(torch.isfinite(rel), rel, torch.zeros_like(rel))
-    lo = _round_code(rel.clamp(-1.0, 1.0), _CODE_MAX[lo_dtype])
+    n = _CODE_MAX[lo_dtype]
+    lo = _round_code(rel.clamp(-1.0, 1.0), n)
+    # Below a binade edge rel >= -0.5, whose code -(n+1)/2 would decode past the tie (module doc).
+    half = float(n // 2)
+    lo = torch.where(_below_binade_edge(x, hi), lo.clamp(-half, half), lo)
     return hi, lo.to(lo_dtype)
 
 
-def decode(hi, lo):
-    """The fp32 master value of a split weight.
+def _coarse_shift(hi_dtype, lo_dtype):
+    """How many low bits of the code decode adds separately: ``hi`` has ``m + 1`` significant bits (plus
+    one for a carry) and a code of ``b`` bits reaches ``2**-b`` below ``h``, so the exact fp32 sum
+    ``hi + code * 2**-b * h`` (24 bits) takes ``22 - m`` of them: all for bf16, 12 of 15 for fp16 + int16."""
+    b = _CODE_MAX[lo_dtype].bit_length()
+    return max(0, b - (22 - _FORMATS[hi_dtype][0]))
 
-    ``lo / N`` is computed as ``lo * fp32(1 / N)``: CUDA eager evaluates a division by a Python
-    scalar that way, while CPU eager and Triton (with ``eager_numerics.division_rounding``) divide;
-    multiplying explicitly gives the same bits on every device, eager or compiled.
+
+def decode(hi, lo):
+    """The fp32 master value of a split weight: ``hi + lo / N * h`` rounded once to fp32, except that a
+    tie rounding away from ``hi`` steps back to ``hi``'s side (module docstring).
+
+    With ``N = 2**b - 1``, ``lo / N * h = (lo + lo / N) * u`` in code units ``u = 2**-b * h``. The sum
+    is taken in code units and scaled back exactly: ``hi / u - lo`` is an exact integer (for fp16 +
+    int16 only the code's high bits go there, see ``_coarse_shift``), ``lo / N`` is computed to
+    2**-21, and one rounding follows. That error cannot move the result across the boundary of a
+    code's interval: fp32 spacings are powers of two times ``u``, half a code step is
+    ``(1 + 1/N) * u / 2``, at least 2**-16 u from half of any of them. So decode gives a value that
+    encodes to the code whenever some fp32 value does (tests/test_exhaustive_formats.py).
+
+    ``lo / N`` is taken as ``lo * fp32(1 / N)``: CUDA eager evaluates a division by a Python scalar
+    that way, CPU eager and Triton divide; multiplying explicitly gives the same bits on every
+    device, eager or compiled.
     """
-    return hi.float() + _scale_by_pow2(lo.float() * (1.0 / _CODE_MAX[lo.dtype]), half_ulp_log2(hi))
+    n = _CODE_MAX[lo.dtype]
+    mantissa_bits, bias, _ = _FORMATS[hi.dtype]
+    unit_log2 = half_ulp_log2(hi) - n.bit_length()
+    # Negated: hi - 0.0 keeps hi = -0.0 (hi + 0.0 would give +0.0, another hi). Integer, so 0 stays +0.0.
+    m = -lo.to(torch.int32)
+    shift = _coarse_shift(hi.dtype, lo.dtype)
+    coarse = (m >> shift) << shift if shift else m
+    fine = m.float() * (1.0 / n)
+    if shift:
+        fine = fine + (m - coarse).float()
+    scale_log2, unit = unit_log2, 1.0
+    if bias > 126:
+        # bf16 below 2**-125 (biased exponent <= 1) decodes to fp32 subnormals, whose spacing is
+        # absolute: there the sum is taken unscaled, on that grid (every term but the once-rounded
+        # fine * u lies on it), with their code unit u = 2**-149 (int16) or 2**-141 (int8).
+        tiny = (_magnitude_bits(hi) >> mantissa_bits) <= 1
+        scale_log2 = torch.where(tiny, 0, unit_log2)
+        unit = torch.where(tiny, 2.0 ** (1 - bias - mantissa_bits - 1 - n.bit_length()), 1.0)
+    y = (_scale_by_pow2(hi.float(), -scale_log2) - coarse.float() * unit) - fine * unit
+    x = _scale_by_pow2(y, scale_log2)
+    # lo = +-n gives the tie hi +- h (exactly), which rounds away from an odd-mantissa hi: step one
+    # fp32 ulp back toward hi. The int32 view of |x| grows with |x| for either sign.
+    tie_away = (lo.abs() == n) & ((_magnitude_bits(hi) & 1) == 1)
+    step = torch.where(x.abs() > hi.float().abs(), -1, 1).to(torch.int32)
+    return torch.where(tie_away, (x.view(torch.int32) + step).view(torch.float32), x)
 
 
 def store(hi, lo, master):

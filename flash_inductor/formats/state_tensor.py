@@ -16,6 +16,8 @@ AOTAutograd sees through them (``__tensor_flatten__``): the compiled graph takes
 tensors (codes and scales, or values) as inputs.
 """
 
+import copy
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -39,6 +41,12 @@ class StateTensor(torch.Tensor):
     def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
         extra, shape, dtype = meta
         return cls(*(inner[k] for k in cls._inner), *extra, shape=shape, dtype=dtype)
+
+    def __deepcopy__(self, memo):
+        # Tensor.__deepcopy__ cannot copy a wrapper subclass: copy the stored form.
+        copied = self._rebuild(lambda t: copy.deepcopy(t, memo))
+        memo[id(self)] = copied
+        return copied
 
     def _rebuild(self, fn):
         """The same state with ``fn`` applied to each inner tensor."""

@@ -1,0 +1,102 @@
+"""Hooks ``prepare`` installs on the model's modules.
+
+- Modules kept in fp32 (normalization layers, ``keep_fp32``) get their bf16/fp16 inputs cast to
+  fp32 and their output cast back.
+- Modules with split-weight parameters split weights loaded by ``module.load_state_dict`` into
+  (bf16, error term): fp32 values become their exact 24-bit split, bf16/fp16 values reset the
+  error term to zero, except right after the optimizer's ``load_state_dict`` restored it (a resume
+  that loads the optimizer first: the error terms belong to the weights being loaded). Without it a
+  loaded bf16 weight kept the old error term, a master that is neither the loaded value nor the
+  old one.
+
+They are module-level functions, so a prepared model pickles (``torch.save(model)``).
+"""
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from flash_inductor import roles, sharded
+from flash_inductor.formats import split_weights
+
+_INPUT_DTYPE = "_flashoptim_input_dtype"
+_LOADS_SPLIT_WEIGHTS = "_flashoptim_loads_split_weights"
+_LOADED = "_flashoptim_loaded_split_weights"  # between the two load hooks
+
+
+def _to_fp32(t):
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def cast_inputs_to_fp32(module, args, kwargs):
+    setattr(module, _INPUT_DTYPE, next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None))
+    return tuple(_to_fp32(a) for a in args), kwargs
+
+
+def cast_output_back(module, args, kwargs, output):
+    dtype = getattr(module, _INPUT_DTYPE)
+    if isinstance(output, torch.Tensor) and dtype in (torch.bfloat16, torch.float16):
+        return output.to(dtype)
+    return output
+
+
+def keep_fp32_with_io_casts(module):
+    module.register_forward_pre_hook(cast_inputs_to_fp32, with_kwargs=True)
+    module.register_forward_hook(cast_output_back, with_kwargs=True)
+
+
+# parameter -> True from an optimizer's load_state_dict restoring its error term until the model's
+# weights are loaded or the optimizer steps
+_ERROR_TERMS_LOADED = WeakIdKeyDictionary()
+
+
+def error_term_loaded(param):
+    _ERROR_TERMS_LOADED[param] = True
+
+
+def forget_loaded_error_terms(params):
+    for param in params:
+        _ERROR_TERMS_LOADED.pop(param, None)
+
+
+def split_loaded_weights(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """``load_state_dict`` pre-hook: split each loaded weight; ``write_loaded_split_weights`` writes
+    it once torch has loaded the module (torch's own copy rounds an fp64 value to bf16 directly,
+    which can differ from the split of its fp32 value)."""
+    if local_metadata.get("assign_to_params_buffers"):
+        raise ValueError(
+            f"load_state_dict(assign=True) on a prepared model would replace its bf16 parameters (module "
+            f"'{prefix.rstrip('.') or type(module).__name__}') by the loaded tensors, which the prepared optimizer does "
+            "not hold; load with assign=False (the default)"
+        )
+    loaded = {}
+    for name, param in module._parameters.items():
+        value = state_dict.get(prefix + name)
+        error = None if param is None else roles.error_term_of(param)
+        if error is None or not isinstance(value, torch.Tensor) or value.shape != param.shape:
+            continue  # torch reports a missing or misshapen entry itself, and then copies nothing
+        shard = sharded.local(sharded.shard_like(param, value)).detach().to(sharded.local(param).device)
+        if shard.dtype == param.dtype and _ERROR_TERMS_LOADED.pop(param, False):
+            # A resume that loaded the optimizer (its error terms) first: they belong to these weights.
+            loaded[name] = (shard, sharded.local(error).clone())
+        elif shard.dtype == param.dtype:
+            loaded[name] = (shard, torch.zeros_like(sharded.local(error)))  # a bf16/fp16 value is its own master
+        else:
+            loaded[name] = split_weights.encode(shard.to(torch.float32), param.dtype, error.dtype)
+    setattr(module, _LOADED, loaded)
+
+
+@torch.no_grad()
+def write_loaded_split_weights(module, incompatible_keys):
+    for name, (hi, lo) in getattr(module, _LOADED, {}).items():
+        param = module._parameters[name]
+        sharded.local(param.detach()).copy_(hi)
+        sharded.local(roles.error_term_of(param)).copy_(lo)
+    setattr(module, _LOADED, {})
+
+
+def split_weights_on_load(module):
+    """Install the two load hooks on ``module`` once."""
+    if not getattr(module, _LOADS_SPLIT_WEIGHTS, False):
+        module.register_load_state_dict_pre_hook(split_loaded_weights)
+        module.register_load_state_dict_post_hook(write_loaded_split_weights)
+        setattr(module, _LOADS_SPLIT_WEIGHTS, True)
