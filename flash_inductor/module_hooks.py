@@ -54,6 +54,8 @@ def error_term_loaded(param):
 
 
 def forget_loaded_error_terms(params):
+    if not _ERROR_TERMS_LOADED:  # every step calls this: nothing to do unless a load just happened
+        return
     for param in params:
         _ERROR_TERMS_LOADED.pop(param, None)
 
