@@ -44,6 +44,12 @@ def measure(device, optimizer, release, *, layers=16, width=2048, steps=3, compi
         gc.collect()  # a previous configuration's model and optimizer hold reference cycles (hooks)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        # cuBLAS keeps a workspace per thread (32 MiB each on the H200: forward, and autograd's
+        # backward thread) from its first matmul on: allocate both before the baseline.
+        w = torch.ones(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+        (w @ w).sum().backward()
+        del w
+        torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width, bias=False, device=device) for _ in range(layers)])

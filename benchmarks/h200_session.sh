@@ -16,6 +16,10 @@
 #   cudagraphs optimizer-step benchmark with the step CUDA-graphed (both lists, or LISTS=...)
 #   seeds      GPT 124M, 1000 steps, seed 1: fp32 baseline and flashoptim (the loss gap of one run)
 #   release    GPT 1.2B memory with gradient release (as `large`'s first half; compare with its JSON)
+#   flat       issue 13: the flat optimizer step on 64 x 2048^2, GPT-2 124M's list and our 1.2B GPT's, with the
+#              peers (torch fused AdamW fp32/bf16, FlashOptim), plain and CUDA-graphed
+#   flatparts  what the flat step's parts cost (exact division, no error terms, fp32 states, tuned blocks)
+#   flattests  GPU tests, and the first step's compile time for 4 and 64 tensors of 2048^2
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
 #              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
 set -uo pipefail
@@ -65,7 +69,7 @@ case $stage in
     ;;
   variants)
     logged optimizer_step_variants_h200 330 optimizer_step.py --lists 16x2048x2048 \
-      --configs torch_fused_fp32,flashoptim,flashoptim_fastdiv,flashoptim_coordesc
+      --configs torch_fused_fp32,flashoptim,flashoptim_exactdiv,flashoptim_coordesc
     timeout 60 python benchmarks/kernel_resources.py --match lshift --out "$out/kernel_resources_h200.json"
     logged gradient_release_h200 150 gradient_release.py
     ;;
@@ -100,6 +104,21 @@ case $stage in
       --eval-batches 1 --configs fp32_fused_autocast,flashoptim --no-inductor
     logged train_gpt_find_largest_h200 380 train_gpt.py --config 1b --dim 8192 --heads 64 --layers 4 --batch 1 \
       --find-largest
+    ;;
+  flat)
+    logged optimizer_step_flat_h200 560 optimizer_step.py --lists 64x2048x2048,gpt2_124m,gpt_1b \
+      --configs torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_cudagraphs,flashoptim_pypi
+    ;;
+  flatparts)
+    logged optimizer_step_flat_parts_h200 400 optimizer_step.py --lists 64x2048x2048 \
+      --configs flashoptim,flashoptim_exactdiv,flashoptim_bf16masters,flashoptim_fp32states,flashoptim_coordesc
+    ;;
+  flattests)
+    timeout 330 python -m pytest -v -m gpu --continue-on-collection-errors tests 2>&1 | tee "$out/gpu_tests_flat_h200.log"
+    timeout 120 python benchmarks/release_memory_diag.py "$out/release_memory_diag_flat_h200.json" 2>&1 \
+      | tee "$out/release_memory_diag_flat_h200.log"
+    timeout 240 python benchmarks/compile_time.py --device cuda --shape 2048 --counts 4,64 \
+      --out "$out/compile_time_h200.json" 2>&1 | tee "$out/compile_time_h200.log"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

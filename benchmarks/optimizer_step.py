@@ -25,7 +25,8 @@ from gpu_profile import kernel_times
 
 import flash_inductor
 
-BYTES_PER_PARAM = {"torch_fused_fp32": 28.0, "torch_fused_bf16": 14.0, "flashoptim": 12.25, "flashoptim_pypi": 12.25}
+BYTES_PER_PARAM = {"torch_fused_fp32": 28.0, "torch_fused_bf16": 14.0, "flashoptim": 12.25, "flashoptim_pypi": 12.25,
+                   "flashoptim_bf16masters": 10.25, "flashoptim_fp32states": 24.0}
 
 
 def gpt2_124m_shapes():
@@ -36,9 +37,18 @@ def gpt2_124m_shapes():
     return shapes + [(d,), (d,)]
 
 
+def gpt_1b_shapes():
+    """Our GPT at 24 x 2048 (benchmarks/train_gpt.py's ``1b``, 1.2B parameters), built on the meta device."""
+    from train_gpt import GPT, SIZES
+
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in GPT(SIZES["1b"][0]).parameters()]
+
+
 PARAM_LISTS = {
     "64x2048x2048": [(2048, 2048)] * 64,
     "gpt2_124m": gpt2_124m_shapes(),
+    "gpt_1b": None,  # built when asked for (gpt_1b_shapes)
     # Smaller lists for comparing compile variants (each flashoptim variant compiles anew):
     # the same per-kernel work, and GPT-2's mix of large and small tensors for 3 layers.
     "16x2048x2048": [(2048, 2048)] * 16,
@@ -81,20 +91,22 @@ def bench_flashoptim_pypi(shapes):
     return {"ms": time_ms(opt.step), "compile_s": time.perf_counter() - t0}
 
 
-def bench_flashoptim(shapes, foreach, options):
+def bench_flashoptim(shapes, foreach, options, **prepare_kwargs):
     params = make_params(shapes, torch.float32)
     model = torch.nn.ParameterList(params)
     grads = [p.grad.to(torch.bfloat16) for p in params]
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=foreach)
-    flash_inductor.prepare(model, opt, compile_options=options)  # tensors under 4096 elements keep fp32 states
+    # tensors under 4096 elements keep fp32 states
+    flash_inductor.prepare(model, opt, compile_options=options, **prepare_kwargs)
     for p, g in zip(params, grads):
         p.grad = g
     t0 = time.perf_counter()
     opt.step()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    return {"ms": time_ms(opt.step), "compile_s": compile_s, "kernels": kernel_times(opt.step),
-            "memory": flash_inductor.memory_report(model, opt).per_param()}
+    kernels = kernel_times(opt.step, top=100)
+    return {"ms": time_ms(opt.step), "compile_s": compile_s, "kernels": kernels[:4],
+            "kernel_launches": sum(k[1] for k in kernels), "memory": flash_inductor.memory_report(model, opt).per_param()}
 
 
 def main():
@@ -103,8 +115,8 @@ def main():
     parser.add_argument("--lists", default="64x2048x2048,gpt2_124m")
     parser.add_argument("--configs", default="torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_pypi",
                         help="comma list of torch_fused_fp32, torch_fused_bf16, flashoptim, flashoptim_cudagraphs, "
-                             "flashoptim_fastdiv, flashoptim_combo, flashoptim_coordesc, flashoptim_tuned, "
-                             "flashoptim_cppwrapper, "
+                             "flashoptim_combo, flashoptim_coordesc, flashoptim_tuned, "
+                             "flashoptim_cppwrapper, flashoptim_exactdiv, flashoptim_bf16masters, flashoptim_fp32states, "
                              "flashoptim_pypi (skipped when not installed)")
     args = parser.parse_args()
     bandwidth = measure_copy_bandwidth()
@@ -112,16 +124,16 @@ def main():
                 python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
     rows = []
     for list_name in args.lists.split(","):
-        shapes = PARAM_LISTS[list_name]
+        shapes = PARAM_LISTS[list_name] or gpt_1b_shapes()
         n = sum(torch.Size(s).numel() for s in shapes)
         configs = {
             "torch_fused_fp32": lambda: bench_torch_fused(shapes, torch.float32),
             "torch_fused_bf16": lambda: bench_torch_fused(shapes, torch.bfloat16),
             "flashoptim": lambda: bench_flashoptim(shapes, False, {}),
             "flashoptim_cudagraphs": lambda: bench_flashoptim(shapes, False, {"inductor": {"triton.cudagraphs": True}}),
-            # approximate fp32 division in the encodes (codes may differ from eager's by one)
-            "flashoptim_fastdiv": lambda: bench_flashoptim(
-                shapes, False, {"inductor": {"eager_numerics.division_rounding": False}}),
+            # exactly rounded fp32 divisions (the default until issue 13; now approximate)
+            "flashoptim_exactdiv": lambda: bench_flashoptim(
+                shapes, False, {"inductor": {"eager_numerics.division_rounding": True}}),
             # kernels launched from a C++ wrapper instead of Inductor's Python one (less CPU per launch)
             "flashoptim_cppwrapper": lambda: bench_flashoptim(shapes, False, {"inductor": {"cpp_wrapper": True}}),
             # Inductor's horizontal fusion of independent kernels (fewer launches)
@@ -132,6 +144,9 @@ def main():
             "flashoptim_tuned": lambda: bench_flashoptim(
                 shapes, False, {"inductor": {"coordinate_descent_tuning": True, "triton.cudagraphs": True}}),
             "flashoptim_pypi": lambda: bench_flashoptim_pypi(shapes),
+            # what the step's parts cost: without error terms (bf16 masters), with fp32 states
+            "flashoptim_bf16masters": lambda: bench_flashoptim(shapes, False, {}, master_weight_bits=None),
+            "flashoptim_fp32states": lambda: bench_flashoptim(shapes, False, {}, state_bits=None),
         }
         for name in args.configs.split(","):
             if name == "flashoptim_pypi" and importlib.util.find_spec("flashoptim") is None:
@@ -141,14 +156,14 @@ def main():
             torch._dynamo.reset()
             torch.cuda.empty_cache()
             result = run()
-            bpp = BYTES_PER_PARAM["flashoptim_pypi" if name == "flashoptim_pypi" else
-                                  "flashoptim" if name.startswith("flashoptim") else name]
+            bpp = BYTES_PER_PARAM.get(name, BYTES_PER_PARAM["flashoptim"] if name.startswith("flashoptim") else None)
             floor_ms = n * bpp / bandwidth * 1e3
             row = dict(params=list_name, num_params=n, num_tensors=len(shapes), config=name, bytes_per_param=bpp,
                        achieved_GBps=n * bpp / (result["ms"] * 1e-3) / 1e9, floor_ms=floor_ms, **result)
             rows.append(row)
             print(f"{list_name:14s} {name:38s} {result['ms']:8.3f} ms  {row['achieved_GBps']:7.0f} GB/s  "
-                  f"floor {floor_ms:.3f} ms  compile {result['compile_s']:.1f} s", flush=True)
+                  f"floor {floor_ms:.3f} ms  compile {result['compile_s']:.1f} s  "
+                  f"kernels/step {result.get('kernel_launches', '-')}", flush=True)
             for kernel in result.get("kernels", []):
                 print(f"    {kernel}", flush=True)
             with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured

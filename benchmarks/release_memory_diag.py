@@ -1,6 +1,7 @@
 """Diagnostic (H200): where gradient release's peak goes. Prints, for AdamW over 8 x 2048^2
 linears with and without gradient release: bytes/param persistent (memory_report), allocated
-between steps, and the peak of a steady step, all above the allocation before the model.
+between steps, after backward, and the peaks of a steady step's forward + backward and of its
+optimizer step, all above the allocation before the model.
 
     python benchmarks/release_memory_diag.py
 """
@@ -25,12 +26,21 @@ for release in (False, True):
     flash_inductor.prepare(model, opt, gradient_release=release)
     after_prepare = torch.cuda.memory_allocated() - base
     x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
+    phases = {}
     for i in range(3):
         if i == 2:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         model(x).float().square().mean().backward()
+        if i == 2:  # the steady step by phase: backward, then the optimizer step
+            torch.cuda.synchronize()
+            phases = {"after_backward": torch.cuda.memory_allocated() - base,
+                      "peak_forward_backward": torch.cuda.max_memory_allocated() - base}
+            torch.cuda.reset_peak_memory_stats()
         opt.step()
+        if i == 2:
+            torch.cuda.synchronize()
+            phases["peak_step"] = torch.cuda.max_memory_allocated() - base
         opt.zero_grad()
     torch.cuda.synchronize()
     report = flash_inductor.memory_report(model, opt)
@@ -38,7 +48,7 @@ for release in (False, True):
     persistent = sum(v for k, v in report.bytes.items() if k != "grads")
     row = {"release": release, "persistent": persistent / n, "after_prepare": after_prepare / n,
            "between_steps": (torch.cuda.memory_allocated() - base) / n,
-           "peak": (torch.cuda.max_memory_allocated() - base) / n}
+           **{k: v / n for k, v in phases.items()}}
     segments = torch.cuda.memory_snapshot()
     blocks = sorted((b["size"] for s in segments for b in s["blocks"] if b["state"] == "active_allocated"), reverse=True)
     row["largest_live_blocks_MiB"] = [round(b / 2**20, 2) for b in blocks[:24]]

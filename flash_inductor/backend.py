@@ -102,13 +102,14 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
 
     ctx, record = result.context, result.context.recorder
     patches = {}
+    is_step = any(p.required_for_prepared and p.name in result.rewritten for p in passes.TORCH_PASSES)
     if result.rewritten:
-        # Triton's default fp32 division is approximate; the encodes divide, and by default give
-        # eager's codes (the option ``inductor`` may trade that for speed: codes then differ by one
-        # at most, DESIGN.md §3).
-        patches["eager_numerics.division_rounding"] = True
         patches.update(_compat.inductor_patches_for_rewritten_graphs())
-    if any(p.required_for_prepared and p.name in result.rewritten for p in passes.TORCH_PASSES):
+        if not is_step:
+            # FP8 scales follow the spec bit for bit (tests/test_fp8_delayed.py); Triton's default fp32
+            # division is approximate. An optimizer step's divisions may be approximate (DESIGN §3).
+            patches["eager_numerics.division_rounding"] = True
+    if is_step:
         # An optimizer step (the storage passes rewrote it): Inductor's pattern matcher looks for
         # matmul/attention patterns it has none of; off, a 16-tensor step compiled 12% faster on
         # the CPU, to the same bits.

@@ -62,6 +62,9 @@ def _state_dict_post_hook(optimizer, state_dict):
                 }
             elif isinstance(stored, StateTensor):
                 entries[key] = sharded.like(value, stored.decode().clone())
+            elif key == "step" and record.buckets:
+                # A view of the bucket's count: saved as the tensor ``prepare`` gives a stock-like group.
+                entries[key] = value.detach().to(_step_device(optimizer, param), copy=True)
         error = record.error_term(param)
         if error is not None:
             entries[ERROR_TERM_KEY] = error.clone()
@@ -72,6 +75,11 @@ def _state_dict_post_hook(optimizer, state_dict):
             state[key] = entries
     groups = [dict(g, lr=float(g["lr"])) for g in state_dict["param_groups"]]
     return {"state": state, "param_groups": groups}
+
+
+def _step_device(optimizer, param):
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    return param.device if group.get("capturable") or group.get("fused") else "cpu"
 
 
 # optimizer -> {param index: {key: restored value}}, checked and built by the pre-hook for the post-hook
@@ -132,6 +140,10 @@ def _load_post_hook(optimizer):
             module_hooks.error_term_loaded(param)
         optimizer.state[param].update(entries)
         init_state(optimizer, record, group, param)  # whatever the dict lacked starts as after prepare
+    for bucket in record.buckets:  # the loaded values into the flat storage, which the states view again
+        for param in bucket.params:
+            bucket.adopt(optimizer, record, param)
+        bucket.adopt_steps(optimizer)
 
 
 def _refusal(record, param, key, problem, fix):

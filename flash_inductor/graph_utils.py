@@ -130,6 +130,20 @@ def work_on_decoded_copy(graph: fx.Graph, node: fx.Node, decode, store, extra=()
     return decoded
 
 
+def restore_where(graph: fx.Graph, node: fx.Node, keep: fx.Node, name=None):
+    """Around every use of the written input ``node``: a copy of it before the first use, and after
+    the last one ``node.copy_(torch.where(keep, node, before))``: where ``keep`` is False the
+    writes are undone."""
+    position = _position(graph)
+    with graph.inserting_before(min(node.users, key=position)):
+        before = graph.create_node("call_method", "clone", (node,), name=name)
+    last_use = max(node.users, key=_position(graph))
+    with graph.inserting_before(last_use) if last_use.op == "output" else graph.inserting_after(last_use):
+        kept = graph.call_function(torch.where, (keep, node, before))
+    with graph.inserting_after(kept):
+        graph.call_method("copy_", (node, kept))
+
+
 def view_as(graph: fx.Graph, node: fx.Node, shape, name=None):
     """Make every use of ``node`` use ``node.view(shape)`` (in-place updates still reach it)."""
     first_use = min(node.users, key=_position(graph))

@@ -189,5 +189,7 @@ def inspect(fn, *args, **kwargs):
     torch._dynamo.reset()
     with collecting(report):
         target(*args, **kwargs)
-    report.memory = [memory.memory_report(None, opt) for opt in list(roles.PREPARED.keys())]
+    # The user's optimizers, not the bucket optimizers their flat steps run (flash_inductor/flat.py).
+    report.memory = [memory.memory_report(None, opt) for opt, record in list(roles.PREPARED.items())
+                     if record.active_groups is None]
     return report

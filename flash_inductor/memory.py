@@ -51,6 +51,8 @@ def memory_report(model, optimizer):
         foreign = sum(id(p) not in owned for p in params)
         if foreign:
             raise ValueError(f"memory_report: {foreign} optimizer parameters are not parameters of the model")
+    if record is not None and record.buckets:
+        return _flat_report(optimizer, record, params)
     sizes = dict.fromkeys(("weights", "error_terms", "states", "state_scales", "grads"), 0)
     released = record is not None and record.gradient_release is not None
     for p in params:
@@ -73,3 +75,13 @@ def memory_report(model, optimizer):
             elif isinstance(value, torch.Tensor) and key != "step":
                 sizes["states"] += _nbytes(value)
     return MemoryReport(type(optimizer).__name__, sum(sharded.local(p).numel() for p in params), sizes)
+
+
+def _flat_report(optimizer, record, params):
+    """Of flat buckets: their buffers' bytes, padding included (gradients: the flat buffer, held
+    or not between steps)."""
+    sizes = {}
+    for bucket in record.buckets:
+        for key, n in bucket.nbytes().items():
+            sizes[key] = sizes.get(key, 0) + n
+    return MemoryReport(type(optimizer).__name__, sum(p.numel() for p in params), sizes)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from flash_inductor import fp8_delayed, module_hooks, roles, sharded
+from flash_inductor import flat, fp8_delayed, module_hooks, registry, roles, sharded
 from flash_inductor.formats import companded, split_weights
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State, StateTensor
 
@@ -24,32 +24,6 @@ NORM_LAYERS = (
     nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm,
     nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class StateLayout:
-    """Which optimizer-state keys an optimizer class keeps per parameter, and their kind."""
-
-    quantized: dict  # key -> companded.SIGNED / companded.SQRT
-    step: bool  # whether it keeps a "step" counter tensor
-
-
-def _layouts():
-    from flash_inductor.optim import SGDW, Lion
-
-    adam = lambda opt, g: StateLayout(  # noqa: E731
-        {"exp_avg": companded.SIGNED, "exp_avg_sq": companded.SQRT}
-        | ({"max_exp_avg_sq": companded.SQRT} if g["amsgrad"] else {}),
-        step=True,
-    )
-    sgd = lambda opt, g: StateLayout({"momentum_buffer": companded.SIGNED} if g["momentum"] else {}, step=False)  # noqa: E731
-    return {
-        torch.optim.AdamW: adam,
-        torch.optim.Adam: adam,
-        torch.optim.SGD: sgd,
-        SGDW: sgd,
-        Lion: lambda opt, g: StateLayout({"exp_avg": companded.SIGNED}, step=False),
-    }
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,6 +40,8 @@ class PreparedOptimizer:
     param_names: dict = dataclasses.field(default_factory=dict)  # param -> name
     gradient_release: object = None  # a gradient_release.GradientRelease when prepared with it
     compile_options: dict = dataclasses.field(default_factory=dict)  # how its step is compiled
+    buckets: list = dataclasses.field(default_factory=list)  # flat.Bucket, when its step is flat
+    active_groups: object = None  # of a bucket optimizer: its Bucket.active mask
 
     @property
     def optimizer(self):
@@ -78,7 +54,7 @@ class PreparedOptimizer:
         return self.error_terms.get(param)
 
     def layout(self, group):
-        return _layouts()[type(self.optimizer)](self.optimizer, group)
+        return registry.layout(type(self.optimizer), group)
 
     def update_shape(self, param):
         """The shape the compiled step updates ``param`` in.
@@ -142,7 +118,7 @@ def prepare(
     if state_bits not in (8, None):
         raise ValueError(f"state_bits must be 8 or None, got {state_bits!r}")
     split_weights.error_term_dtype(master_weight_bits)  # refuses other values
-    _check_optimizer(optimizer)
+    registry.check_supported(optimizer)
     names = _check_params(model, optimizer)
     for group in optimizer.param_groups:
         _check_group(optimizer, group, names)
@@ -176,9 +152,18 @@ def prepare(
     elif any(sharded.is_sharded(p) for p in record.params()):
         sharded.route_step_through_local_optimizer(optimizer, record, compile_options or {})
     else:
-        route_step_through_backend(optimizer, compile_options or {})
+        lay_out_flat(optimizer, record, range(len(optimizer.param_groups)))
+        route_step_through_buckets(optimizer, compile_options or {})
     _install_prepared_methods(optimizer)
     return model
+
+
+def lay_out_flat(optimizer, record, group_indices):
+    """Move the parameters of the param groups ``group_indices`` into flat buckets."""
+    for gi in group_indices:
+        buckets = flat.lay_out(optimizer, record, gi)
+        record.buckets.extend(buckets)
+        flat.install_gradient_hooks(optimizer, buckets)
 
 
 def prepare_group(optimizer, record, group, masters, names):
@@ -229,6 +214,7 @@ def _install_prepared_methods(optimizer):
         _check_not_held_elsewhere(self, names)
         original_add_param_group(new)
         prepare_group(self, record, self.param_groups[-1], {}, names)
+        lay_out_flat(self, record, [len(self.param_groups) - 1])
 
     optimizer.add_param_group = types.MethodType(add_param_group, optimizer)
     optimizer.__deepcopy__ = types.MethodType(_deepcopy_prepared, optimizer)
@@ -251,22 +237,18 @@ def _deepcopy_prepared(optimizer, memo):
     copied = type(optimizer).__new__(type(optimizer))
     memo[id(optimizer)] = copied
     copied.__setstate__(copy.deepcopy(optimizer.__getstate__(), memo))
-    roles.PREPARED[copied] = dataclasses.replace(
+    copied_record = dataclasses.replace(
         record,
         optimizer_ref=weakref.ref(copied),
         error_terms={copy.deepcopy(p, memo): copy.deepcopy(e, memo) for p, e in record.error_terms.items()},
         param_names={copy.deepcopy(p, memo): n for p, n in record.param_names.items()},
+        buckets=[],
     )
-    route_step_through_backend(copied, record.compile_options)
+    roles.PREPARED[copied] = copied_record
+    lay_out_flat(copied, copied_record, range(len(copied.param_groups)))
+    route_step_through_buckets(copied, record.compile_options)
     _install_prepared_methods(copied)
     return copied
-
-
-def _check_optimizer(optimizer):
-    supported = _layouts()
-    if type(optimizer) not in supported:
-        names = ", ".join(sorted(c.__module__.split(".")[0] + "." + c.__name__ for c in supported))
-        raise TypeError(f"flash_inductor.prepare supports {names}; got {type(optimizer).__qualname__}")
 
 
 def _check_group(optimizer, group, names):
@@ -418,10 +400,47 @@ def new_state(record, param, kind, value=None):
     return sharded.like(param, state)
 
 
-def route_step_through_backend(optimizer, compile_options):
-    """Replace ``optimizer.step`` (a bound method, so LR schedulers can wrap it) by one that runs
-    the original step through the ``flashoptim`` backend, or traces it inline when already
-    compiling."""
+def route_step_through_buckets(optimizer, compile_options):
+    """Replace ``optimizer.step`` (a bound method, so LR schedulers can wrap it) by the flat step:
+    the gradients collected into the buckets, then the stock step of every bucket optimizer with a
+    gradient, through the ``flashoptim`` backend (traced inline when already compiling). And
+    ``zero_grad(set_to_none=True)`` frees the flat gradient buffers."""
+    from flash_inductor import checks
+    from flash_inductor.backend import compile as compile_with_backend
+
+    compiled = compile_with_backend(flat.step_buckets, **compile_options)
+    original_zero_grad = optimizer.zero_grad
+
+    def step(self, closure=None):
+        record = prepared(self)
+        loss = evaluate_closure(closure)
+        if torch.compiler.is_compiling():
+            flat.step_buckets(flat.collect_gradients(record))
+            return loss
+        stepping = flat.collect_gradients(record)  # checks each gradient it has to copy in
+        if record.check_numerics:
+            for group in self.param_groups:
+                checks.check_lr_moves_weights(record, group)
+        module_hooks.forget_loaded_error_terms(record.params())
+        if stepping:
+            run_compiled_step(compiled, self, stepping)
+        return loss
+
+    @torch.compiler.disable
+    def zero_grad(self, set_to_none=True):
+        original_zero_grad(set_to_none)
+        if set_to_none:
+            flat.release_gradients(prepared(self))
+
+    # torch's wrapper of ``step``: the user's step hooks (register_step_pre_hook) and profiling.
+    optimizer.step = types.MethodType(torch.optim.Optimizer.profile_hook_step(step), optimizer)
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+
+
+def route_step_per_parameter(optimizer, compile_options):
+    """Replace ``optimizer.step`` by the stock step over its parameters (unrolled per parameter),
+    through the ``flashoptim`` backend, or traced inline when already compiling. The step of the
+    local optimizer of FSDP2 shards, whose local tensors FSDP2 owns and may replace."""
     from flash_inductor import checks
     from flash_inductor.backend import compile as compile_with_backend
 
@@ -453,8 +472,8 @@ _RUN_STEPS = weakref.WeakSet()  # the compiled steps run so far (alive)
 _run_step_count = 0  # how many distinct compiled steps have run in this process, dead ones included
 
 
-def run_compiled_step(compiled, optimizer):
-    """Call a compiled optimizer step with a Dynamo cache large enough for every prepared step.
+def run_compiled_step(compiled, optimizer, *args):
+    """Call a compiled optimizer step (on ``args``) with a Dynamo cache large enough for every prepared step.
 
     Every optimizer of a class shares one Dynamo cache (one code object, guarded on ``self``), and
     gradient release adds one single-parameter optimizer per parameter. Entries of optimizers that
@@ -473,14 +492,16 @@ def run_compiled_step(compiled, optimizer):
     config = torch._dynamo.config
     limit = max(config.recompile_limit, 2 * _run_step_count + 8)
     with config.patch(recompile_limit=limit, accumulated_recompile_limit=max(config.accumulated_recompile_limit, limit),
-                      fail_on_recompile_limit_hit=True, specialize_float=True):
+                      fail_on_recompile_limit_hit=True, specialize_float=True,
+                      # A bucket whose step count becomes per group recompiles with static shapes.
+                      automatic_dynamic_shapes=False):
         seen = _FLOAT_HYPERPARAMETERS.setdefault(optimizer, collections.defaultdict(set))
         for gi, group in enumerate(optimizer.param_groups):
             for key, value in group.items():
                 if key != "params" and _is_float_constant(value):
                     seen[gi, key].add(value)
         try:
-            compiled()
+            compiled(*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit as error:
             changing = [f"param_groups[{gi}]['{key}']" for (gi, key), values in seen.items() if len(values) > 1]
             if not changing:
@@ -488,9 +509,9 @@ def run_compiled_step(compiled, optimizer):
             raise RuntimeError(
                 f"flash_inductor: the {type(optimizer).__name__} step recompiled for every new value of "
                 f"{', '.join(changing)} and hit Dynamo's recompile limit: float hyperparameters are constants of the "
-                "compiled step (lr is a tensor and may change freely). A scheduler that changes them every step, such "
-                "as OneCycleLR with its default cycle_momentum=True (betas / momentum), needs cycle_momentum=False; "
-                "or keep them fixed"
+                "compiled step (lr, and Adam's and Lion's betas, are tensors and may change freely). A scheduler "
+                "that changes them every step, such as OneCycleLR with its default cycle_momentum=True (SGD's "
+                "momentum), needs cycle_momentum=False; or keep them fixed"
             ) from error
 
 

@@ -174,10 +174,10 @@ class LocalOptimizer:
 def route_step_through_local_optimizer(optimizer, record, compile_options):
     """Replace ``optimizer.step`` by one that runs the local optimizer's step, itself routed
     through the backend like any prepared optimizer's."""
-    from flash_inductor.prepare import evaluate_closure, route_step_through_backend
+    from flash_inductor.prepare import evaluate_closure, route_step_per_parameter
 
     local_optimizer = LocalOptimizer.build(optimizer, record)
-    route_step_through_backend(local_optimizer.optimizer, compile_options)
+    route_step_per_parameter(local_optimizer.optimizer, compile_options)
 
     # Dynamo does not trace this (the sync sets .grad of local tensors): a compiled train step
     # graph-breaks at opt.step(), and the local step is compiled on its own.

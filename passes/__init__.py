@@ -11,10 +11,13 @@ from .fp8_collectives import fp8_collectives_pass
 from .fp8_linear import fp8_linear_pass
 from .fp32_hyperparameters import fp32_hyperparameters_pass
 from .split_weights import split_weights_pass
+from .untouched_parameters import untouched_parameters_pass
 
-# companded_states runs first: it sets the layout of the update (see update_shape), which
-# split_weights then decodes the master in.
+# untouched_parameters runs before the storage passes (they then make its copies act on decoded
+# values); companded_states sets the layout of the update (see update_shape), which split_weights
+# then decodes the master in.
 TORCH_PASSES = (
+    GraphPass("untouched_parameters", TORCH, untouched_parameters_pass, required_for_prepared=True),
     GraphPass("fp32_hyperparameters", TORCH, fp32_hyperparameters_pass, required_for_prepared=True),
     GraphPass("companded_states", TORCH, companded_states_pass, required_for_prepared=True),
     GraphPass("split_weights", TORCH, split_weights_pass, required_for_prepared=True),

@@ -23,15 +23,17 @@ def _prepared(compiler, foreach=False):
 def _stock_adamw_step(masters, grads, backend):
     """One step of stock fp32 ``torch.optim.AdamW`` (same hyperparameters) from the decoded masters,
     compiled as the flashoptim step is: traced by Dynamo, torch computes the bias corrections from
-    the step tensor in fp32 (not in Python floats). On the H200 (2026-12-01) the Triton step was
-    3e-5 (relative to the update) off stock AdamW traced and run eagerly: the size of one fp32 ulp
+    the step tensor in fp32 (not in Python floats), on the GPU (capturable, as the flat step). On
+    the H200 (2026-12-01) the Triton step was 3e-5 (relative to the update) off stock AdamW traced
+    and run eagerly: the size of one fp32 ulp
     in ``beta2 ** step`` (Inductor's Triton ``pow`` is libdevice's, within 2 ulp) after the
     cancellation in ``1 - beta2 ** step``. So the Triton step is compared with stock AdamW compiled
     by Inductor, which computes the bias corrections with the same ``pow``."""
     params = {name: nn.Parameter(value.clone()) for name, value in masters.items()}
     for name, p in params.items():
         p.grad = grads[name].float()
-    opt = torch.optim.AdamW(params.values(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
+    # capturable: the step count on the GPU, where the flat step computes its bias corrections too
+    opt = torch.optim.AdamW(params.values(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=False, capturable=True)
     torch.compile(opt.step, backend=backend)()
     return {name: p.detach() for name, p in params.items()}
 
@@ -97,3 +99,30 @@ def test_inspection_shows_triton_kernels():
     report = flash_inductor.inspect(step, torch.randn(8, 256, device="cuda", dtype=torch.bfloat16))
     assert "triton" in report.graph("optimizer step").kernel_backends
     assert "triton" in report.graph("model").kernel_backends
+
+
+def _step_kernel_launches(count):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(1024, 1024, device="cuda") * 0.02) for _ in range(count)]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    flash_inductor.prepare(nn.ParameterList(params), opt)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # compiles
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+            for _ in range(e.count)]
+
+
+def test_flat_step_is_one_kernel_whatever_the_number_of_parameters():
+    """The flat step of one bucket (all parameters bf16 with 8-bit states) launches one fused
+    Triton kernel for the update (with its group absmax and encodes), plus scalar work (bias
+    corrections, the step count), the same kernels for 2 parameters as for 16 (issue 13's target:
+    one per group and dtype, plus scalar work)."""
+    two, sixteen = _step_kernel_launches(2), _step_kernel_launches(16)
+    assert two == sixteen, (two, sixteen)
+    assert sum("amax" in name for name in two) == 1 and len(two) <= 3, two

@@ -81,9 +81,9 @@ def test_release_stores_the_bits_of_the_prepared_step(name):
     initial = Net()
     assert all(not torch.equal(p.float(), q) for p, q in zip(model.parameters(), initial.parameters()))
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-2 * 0.5**STEPS)
-    # Each parameter's step compiles as often as the whole step does (a load_state_dict recompiles).
+    # Each parameter's step compiles once, and again after a load_state_dict (new state tensors).
     release_graphs = counters["stats"]["unique_graphs"] - normal_graphs
-    assert release_graphs == len(list(model.parameters())) * normal_graphs
+    assert release_graphs == len(list(model.parameters())) * (2 if "reload_after" in variant else 1)
 
 
 def test_train_step_with_release_stores_the_bits_of_the_normal_train_step():

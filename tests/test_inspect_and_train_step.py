@@ -57,14 +57,16 @@ def test_report_shows_the_rewrite_with_dtypes(inspected):
     step = report.graph("optimizer step")
     code = {s.name: s.code for s in step.stages if s.subgraph == "dynamo"}
     assert "split_weights_decode" not in code["captured"]
-    # 64x64 weights with 8-bit states are updated in the states' layout: 128 groups of 32.
-    assert 'weight_master: "f32[128, 32]cpu" = flash_inductor_formats_split_weights_decode(' in code["split_weights"]
-    assert '_error: "i8[64, 64]cpu"' in code["split_weights"]
-    assert "CompandedState(bf16[64, 64]cpu)" in code["companded_states"]
-    assert 'weight_exp_avg_fp32: "f32[128, 32]cpu"' in code["companded_states"]
+    # The step runs on flat buckets: the 64x64 weight (8-bit states) is 128 groups of 32; the three
+    # small bf16 tensors (fp32 states) and the fp32 LayerNorm tensors form two more buckets.
+    flat = "group0_bfloat16_8bit"
+    assert f'{flat}_master: "f32[128, 32]cpu" = flash_inductor_formats_split_weights_decode(' in code["split_weights"]
+    assert f'{flat}_error: "i8[128, 32]cpu"' in code["split_weights"]
+    assert "CompandedState(bf16[128, 32]cpu)" in code["companded_states"]
+    assert f'{flat}_exp_avg_fp32: "f32[128, 32]cpu"' in code["companded_states"]
     rows = {(r[0], r[3]): r[4] for r in report.summary_rows()}
-    # 4 bf16 parameters (two Linear weights and biases; LayerNorm stays fp32, no error term)
-    assert rows[(step.name, "split_weights")] == 4
+    # the two bf16 buckets have error terms; the fp32 one (LayerNorm) is its own master
+    assert rows[(step.name, "split_weights")] == 2
     summary = report.summary()
     assert f"AdamW: {sum(p.numel() for p in model.parameters()):,} parameters; bytes/param: weights" in summary
 

@@ -158,7 +158,8 @@ def expected_mixed(model, n_states, error_bytes=1):
     """Per-tensor expectation for models with small / fp32 / unaligned tensors."""
     exp = dict.fromkeys(COMPONENTS, 0)
     for name, p in model.named_parameters():
-        n = p.numel()
+        # Flat storage: each tensor takes whole groups of 32 (one at least) in every buffer.
+        n = max(GROUP, -(-p.numel() // GROUP) * GROUP)
         is_norm = name.startswith("norm.")
         elem = 4 if is_norm else 2
         exp["weights"] += elem * n
@@ -181,13 +182,20 @@ def test_mixed_model_counts_each_tensor_as_stored():
 
 
 def test_grads_after_zero_grad_and_frozen_params():
-    """With gradients released (None) the report predicts one gradient per trainable parameter;
-    a parameter that does not require grad never gets one."""
+    """With gradients released (None) the report predicts the flat gradient buffer of trainable
+    parameters; parameters frozen at prepare are laid out apart and never get one."""
     model, opt = prepared(Big, torch.optim.SGD, opt_kw=dict(lr=1e-2, momentum=0.9))
     opt.zero_grad(set_to_none=True)
     n = numel(model)
     assert as_dict(flash_inductor.memory_report(model, opt))["grads"] == 2 * n
+    torch.manual_seed(0)
+    model = Big()
     model.fc2.weight.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    flash_inductor.prepare(model, opt, compile_options=EAGER)
+    backward(model)
+    opt.step()
+    assert model.fc2.weight.grad is None
     assert as_dict(flash_inductor.memory_report(model, opt))["grads"] == 2 * (n - model.fc2.weight.numel())
 
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flash_inductor
-from flash_inductor import roles
+from flash_inductor import registry, roles
 from flash_inductor.formats import split_weights
 from helpers import EAGER, Net, stored_bits
 
@@ -117,3 +117,27 @@ def test_every_input_a_prepared_step_writes_is_static_for_cuda_graphs(monkeypatc
     ((written, static),) = seen
     # weight, error term, step counter, codes and scales of both moments
     assert len(written) == 7 and written <= static
+
+
+_REGISTRY_CASES = {  # a constructor per registry entry, with the options that change its states
+    torch.optim.AdamW: dict(lr=1e-3, amsgrad=True),
+    torch.optim.Adam: dict(lr=1e-3),
+    torch.optim.SGD: dict(lr=1e-2, momentum=0.9),
+    flash_inductor.optim.SGDW: dict(lr=1e-2, momentum=0.9),
+    flash_inductor.optim.Lion: dict(lr=1e-4),
+}
+
+
+@pytest.mark.parametrize("cls", list(registry.SUPPORTED), ids=lambda c: c.__name__)
+def test_prepare_allocates_what_the_registry_names(cls):
+    """Every supported class has a case here, and prepare gives each parameter exactly the states
+    (and step counter) its registry entry names."""
+    assert set(_REGISTRY_CASES) == set(registry.SUPPORTED)
+    model = nn.Linear(64, 64)
+    opt = cls(model.parameters(), **_REGISTRY_CASES[cls])
+    flash_inductor.prepare(model, opt, compile_options={"compiler": "eager"})
+    entry = registry.SUPPORTED[cls]
+    for p in model.parameters():
+        keys = set(opt.state[p])
+        assert keys - {"step"} == set(entry.states(opt.param_groups[0]))
+        assert ("step" in keys) == entry.counts_steps

@@ -200,15 +200,18 @@ def test_tensor_betas_are_used_in_fp32():
         assert (got - want).abs().max() <= 1e-6 * want.abs().max(), key  # bf16 betas: 6.5e-3 off
 
 
-def test_one_cycle_lr_changing_betas_every_step_names_betas_and_the_fix(monkeypatch):
+def test_one_cycle_lr_changing_sgd_momentum_every_step_names_momentum_and_the_fix(monkeypatch):
+    """Adam's and Lion's cycling betas are tensors of the flat step (tests/test_flat.py); SGD's
+    momentum decides branches of its update, so it stays a constant and OneCycleLR's cycling of it
+    is refused with the fix."""
     # The recompile limit grows with the steps this process ran (prepare.run_compiled_step): start
     # from none, as in a fresh process (fresh_dynamo emptied Dynamo's cache).
     monkeypatch.setattr(importlib.import_module("flash_inductor.prepare"), "_run_step_count", 0)
     model = nn.Linear(64, 64, bias=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     flash_inductor.prepare(model, opt, compile_options=EAGER)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=100)
-    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['betas'\].*cycle_momentum=False"):
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['momentum'\].*cycle_momentum=False"):
         for _ in range(40):
             model.weight.grad = torch.randn(64, 64).bfloat16()
             opt.step()

@@ -23,8 +23,9 @@ a rounding boundary) and decode bit for bit against an fp32 op-by-op reference. 
 ``fp32(1/127)`` / ``fp32(1/255)`` instead of dividing, so it gives the same bits on every device.
 
 Compiling: needs ``emulate_precision_casts=True`` (otherwise the fp16 rounding of the scale is
-skipped inside the kernel, and on torch 2.11's C++ backend it is skipped even with it), and on
-Triton ``eager_numerics.division_rounding=True`` for eager-identical divisions.
+skipped inside the kernel, and on torch 2.11's C++ backend it is skipped even with it). Compiled
+codes may differ from eager ones by one at a rounding boundary (Triton's divisions and square roots
+are approximate): the bar is the fp64 reference, within one code.
 
 Edge cases:
 - A partial last group is padded with zeros (codes 0); an all-zero group stores scale 0, codes 0.
@@ -70,9 +71,10 @@ def _scales(groups):
     return scale.view(-1), scale.float()
 
 
-def _safe_div(x, scale):
-    """``x / scale``, and 0 where the scale is 0 (underflow) or nan (non-finite group)."""
-    return torch.where(scale > 0, x / scale, torch.zeros_like(x))
+def _over_scale(x, scale):
+    """``x / scale`` as ``x`` times one reciprocal per group (faster than a division per element,
+    within an fp32 ulp of it), and 0 where the scale is 0 (underflow) or nan (non-finite group)."""
+    return torch.where(scale > 0, x * (1 / scale), torch.zeros_like(x))  # not x * 0: x may be inf
 
 
 def encode(x, kind):
@@ -83,7 +85,7 @@ def encode(x, kind):
     if kind == SIGNED:
         groups = _groups(x)
         scale16, scale = _scales(groups)
-        u = _safe_div(groups, scale)
+        u = _over_scale(groups, scale)
         y = 2 * u / (1 + u.abs())
         codes = torch.floor(127 * y + 0.5).clamp(-127, 127).to(torch.int8)
     elif kind == SQRT:
@@ -92,7 +94,7 @@ def encode(x, kind):
         # across the group reduction (benchmarks/results/optimizer_step_sqrt_reuse_h200.log).
         groups = _groups(x).clamp(min=0).sqrt()
         scale16, scale = _scales(groups)
-        u = _safe_div(groups, scale)
+        u = _over_scale(groups, scale)
         codes = torch.floor(255 * u + 0.5).clamp(0, 255).to(torch.uint8)
     else:
         raise ValueError(f"unknown companded state kind {kind!r}; expected {SIGNED!r} or {SQRT!r}")

@@ -1,0 +1,403 @@
+"""Flat storage: the parameters of a param group laid end to end, and one optimizer step over them.
+
+``prepare`` cuts each param group into buckets of parameters that share device, dtype and state
+format (8-bit or fp32 states). A bucket holds one flat buffer per stored tensor:
+
+    weights  (N,)      bf16/fp16/fp32   every parameter's ``.data`` is a view of it
+    errors   (N,)      int8/int16       the error terms (``record.error_terms[p]`` are views)
+    grads    (N,)      the parameters' dtype; every ``p.grad`` lands in its view
+    states   per key: CompandedState of codes (G, 32) + scales (G,), or Fp32State (G, 32)
+    step     (G, 1)    fp32             the step count, per group of 32 (optimizers that count steps)
+    active   (G, 1)    bool             which groups belong to a parameter that has a gradient this step
+
+Each parameter's segment starts at a multiple of 32 (and holds one group at least), so no group of
+32 straddles two parameters: its padding is zero in every buffer, and a zero gradient keeps it zero
+for every supported optimizer. ``opt.state[p][key]`` and the error terms stay per-parameter views,
+so checkpoints, ``memory_report`` and inspection read them as before.
+
+The step is the user's optimizer class run once per bucket, on a *bucket optimizer*: an instance of
+the same class whose one parameter is ``weights.view(G, 32)``, whose gradient is ``grads.view(G,
+32)`` and whose states are the flat states. Its hyperparameters are the user's group's, read before
+every step. Dynamo traces the stock update once per bucket, whatever the number of parameters;
+the storage passes rewrite it like any prepared step, and ``passes/untouched_parameters`` keeps the
+groups of parameters without a gradient as they were (``active``). The step count is per group so
+that a parameter skipped in some steps keeps its own count, as in torch.
+"""
+
+import collections
+import dataclasses
+import inspect
+import weakref
+
+import torch
+
+from flash_inductor import checks, roles
+from flash_inductor.formats import companded
+from flash_inductor.formats.state_tensor import CompandedState, Fp32State
+
+GROUP = companded.GROUP_SIZE
+
+
+def segment_length(numel):
+    """Elements a parameter of ``numel`` elements takes in a bucket: whole groups, one at least."""
+    return max(GROUP, -(-numel // GROUP) * GROUP)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    offset: int  # first element, a multiple of GROUP
+    numel: int
+    shape: tuple
+
+    @property
+    def groups(self):
+        """Its rows of a flat ``(G, 32)`` state: the groups its elements fill (none when empty)."""
+        return slice(self.offset // GROUP, self.offset // GROUP + companded.num_groups(self.numel))
+
+    @property
+    def rows(self):
+        """Its rows of a per-group step count or mask: every group of its segment."""
+        return slice(self.offset // GROUP, (self.offset + segment_length(self.numel)) // GROUP)
+
+    def of(self, flat):
+        """This parameter's view of a flat (N,) buffer, in its shape."""
+        return flat[self.offset:self.offset + self.numel].view(self.shape)
+
+
+def bucket_key(record, p):
+    """Parameters of one param group with equal keys share a bucket."""
+    quantized = record.state_bits == 8 and p.numel() >= record.min_quantized_numel
+    # Frozen parameters apart: their bucket's gradient buffer never gets storage.
+    return p.device, p.dtype, quantized, p.requires_grad
+
+
+class Bucket:
+    """The parameters of one bucket, their flat storage and their bucket optimizer."""
+
+    def __init__(self, optimizer, record, group_index, params):
+        self.group_index = group_index
+        self.params = params
+        self.segments = {}
+        offset = 0
+        for p in params:
+            self.segments[p] = Segment(offset, p.numel(), tuple(p.shape))
+            offset += segment_length(p.numel())
+        self.num_groups = offset // GROUP
+        first = params[0]
+        device, dtype, quantized, trainable = bucket_key(record, first)
+        # Names the bucket's tensors in graphs: group0_bfloat16_8bit (device index when several).
+        self.name = f"group{group_index}_{str(dtype).removeprefix('torch.')}_{'8bit' if quantized else 'fp32'}"
+        if device.index:
+            self.name += f"_{device.type}{device.index}"
+        if not trainable:
+            self.name += "_frozen"
+        zeros = lambda dtype: torch.zeros(offset, dtype=dtype, device=first.device)  # noqa: E731
+        self.weights = zeros(first.dtype)
+        error = record.error_term(first)
+        self.errors = None if error is None else zeros(error.dtype)
+        self.grads = zeros(first.dtype)
+        self.grad_views = [self.segments[p].of(self.grads) for p in params]
+        layout = record.layout(optimizer.param_groups[group_index])
+        self.states = {key: _flat_state(optimizer.state[first][key], self.num_groups) for key in layout.quantized}
+        self.counts_steps = layout.step
+        self.per_group = False
+        self.step = torch.zeros(1, 1, dtype=torch.float32, device=first.device) if layout.step else None
+        self.active = torch.ones(1, 1, dtype=torch.bool, device=first.device)
+        self._active_flags = [True] * len(params)
+        self._tensor_hyperparameters = {}  # key -> the fp32 tensors the bucket optimizer's group holds
+        self._first_hyperparameters = {}  # key -> its value at the first step
+        for p in params:
+            self.adopt(optimizer, record, p)
+        self.adopt_steps(optimizer)
+        self.optimizer = _bucket_optimizer(optimizer, record, self)
+        self.release_gradients()  # storage from the first gradient on (hold_gradients)
+
+    # ------------------------------------------------------------------ storage
+    def adopt(self, optimizer, record, p):
+        """Copy ``p``'s value, error term and states into its segment and make them views of it.
+        Values already there (views of this bucket) are left alone."""
+        segment = self.segments[p]
+        weights = segment.of(self.weights)
+        if p.data.data_ptr() != weights.data_ptr():
+            weights.copy_(p.detach())
+            p.data = weights
+        if self.errors is not None:
+            errors = segment.of(self.errors)
+            if record.error_terms[p].data_ptr() != errors.data_ptr():
+                errors.copy_(record.error_terms[p])
+                record.error_terms[p] = errors
+        state = optimizer.state[p]
+        for key, flat in self.states.items():
+            view = self.state_view(key, p)
+            current = state.get(key)
+            if current is None:
+                view.copy_(type(view).zeros(view, **_kind(view)))
+            elif not _same_storage(current, view):
+                view.copy_(current)
+            state[key] = view
+
+    def adopt_steps(self, optimizer):
+        """The step counts of ``optimizer.state[p]["step"]`` into the bucket, which they then view.
+
+        While every parameter has the same count (and a gradient at every step) the bucket keeps one,
+        ``(1, 1)``, and an all-True ``active`` of the same shape: the step broadcasts both. The first
+        step where only some parameters have a gradient (or a load of unequal counts) makes both
+        per group, ``(G, 1)``, for good."""
+        if not self.counts_steps:
+            return
+        counts = [optimizer.state[p].get("step") for p in self.params]
+        counts = [0.0 if c is None else float(c) for c in counts]
+        if len(set(counts)) > 1 and not self.per_group:
+            self._go_per_group(optimizer)
+        if self.per_group:
+            for p, count in zip(self.params, counts):
+                self.step[self.segments[p].rows].fill_(count)
+        else:
+            self.step.fill_(counts[0])
+        self._point_steps(optimizer)
+
+    def _point_steps(self, optimizer):
+        for p in self.params:
+            row = self.segments[p].rows.start if self.per_group else 0
+            optimizer.state[p]["step"] = self.step[row, 0]
+
+    def _go_per_group(self, optimizer):
+        """Per-group step counts and ``active``; a new bucket optimizer, so the step recompiles."""
+        self.per_group = True
+        self.active = self.active.expand(self.num_groups, 1).clone()
+        if self.step is not None:
+            self.step = self.step.expand(self.num_groups, 1).clone()
+            self._point_steps(optimizer)
+        if hasattr(self, "optimizer"):
+            self.optimizer = _bucket_optimizer(optimizer, roles.PREPARED[optimizer], self)
+
+    def state_view(self, key, p):
+        """``p``'s state ``key`` as a view of the flat state (a new object, same storage)."""
+        flat, segment = self.states[key], self.segments[p]
+        if isinstance(flat, CompandedState):
+            groups = segment.groups
+            return CompandedState(flat.codes[groups], flat.scales[groups], flat.kind, shape=segment.shape, dtype=flat.dtype)
+        return Fp32State(segment.of(flat.values.view(-1)), shape=segment.shape, dtype=flat.dtype)
+
+    def nbytes(self):
+        """Bytes of each kind of flat storage (gradients: what they take when held)."""
+        states = scales = 0
+        for flat in self.states.values():
+            if isinstance(flat, CompandedState):
+                states += _bytes(flat.codes)
+                scales += _bytes(flat.scales)
+            else:
+                states += _bytes(flat.values)
+        if self.per_group:
+            # Per-group step counts and mask: bytes per parameter (like torch, one scalar step count,
+            # as while every parameter steps together, is not counted).
+            states += (0 if self.step is None else _bytes(self.step)) + _bytes(self.active)
+        return {
+            "weights": _bytes(self.weights), "error_terms": 0 if self.errors is None else _bytes(self.errors),
+            "states": states, "state_scales": scales,
+            "grads": _bytes(self.grads) if self.gradients_held() or any(p.requires_grad for p in self.params) else 0,
+        }
+
+    # ------------------------------------------------------------------ gradients
+    def gradients_held(self):
+        return self.grads.untyped_storage().nbytes() > 0
+
+    def hold_gradients(self):
+        """Give the flat gradient buffer its storage again (zeros) after ``release_gradients``."""
+        if not self.gradients_held():
+            self.grads.untyped_storage().resize_(self.grads.numel() * self.grads.element_size())
+            self.grads.zero_()
+
+    def release_gradients(self):
+        """Free the flat gradient buffer (``zero_grad(set_to_none=True)``: no parameter holds a view)."""
+        self.grads.untyped_storage().resize_(0)
+
+    def land(self, index):
+        """Make parameter ``index``'s gradient its view of the flat buffer (copying one that is not)."""
+        p, view = self.params[index], self.grad_views[index]
+        grad = p.grad
+        if grad is None or grad is view or grad.is_sparse or grad.dtype != view.dtype or grad.shape != view.shape:
+            return  # nothing to do, or a gradient the step refuses (checks.check_grad) before writing
+        self.hold_gradients()
+        view.copy_(grad)
+        p.grad = view
+
+    def collect_gradients(self, optimizer, record):
+        """Before the step: every gradient in the flat buffer, and ``active`` set to the groups of
+        the parameters that have one. False when none has: the bucket is not stepped at all.
+        A gradient that is not its view yet is checked first (``checks.check_grad``), so a step it
+        refuses raises before anything is written."""
+        flags = []
+        for index, (p, view) in enumerate(zip(self.params, self.grad_views)):
+            grad = p.grad
+            flags.append(grad is not None)
+            if grad is not None and grad is not view:
+                checks.check_grad(record, p)
+                self.land(index)
+        if not any(flags):
+            return False
+        if flags != self._active_flags:
+            if not self.per_group:
+                self._go_per_group(optimizer)
+            rows = torch.tensor([self.segments[p].rows.stop - self.segments[p].rows.start for p in self.params])
+            mask = torch.repeat_interleave(torch.tensor(flags), rows)
+            self.active.copy_(mask.view(-1, 1))
+            self._active_flags = flags
+        return True
+
+    def sync_hyperparameters(self, optimizer):
+        """The user's current hyperparameters (the same ``lr`` tensor) on the bucket optimizer.
+        Float betas that change become fp32 tensors the bucket keeps and refills: schedulers change
+        them every step (OneCycleLR), and a float is a constant of the compiled step (a recompile
+        each)."""
+        group = self.optimizer.param_groups[0]
+        for key, value in optimizer.param_groups[self.group_index].items():
+            if key in ("params", *_BUCKET_SETTINGS):
+                continue
+            if key in _TENSOR_HYPERPARAMETERS and _floats(value):
+                value = self._betas_as_tensors_once_changed(key, value)
+            group[key] = value
+
+    def _betas_as_tensors_once_changed(self, key, value):
+        """Floats while they keep their first value (stock numerics: torch computes ``1 - beta``
+        in double); from their first change on, fp32 tensors refilled each step (one recompile)."""
+        held = self._tensor_hyperparameters.get(key)
+        if held is None:
+            first = self._first_hyperparameters.setdefault(key, value)
+            if value == first:
+                return value
+            held = self._tensor_hyperparameters[key] = tuple(torch.tensor(v, dtype=torch.float32) for v in value)
+        for t, v in zip(held, value):
+            if float(t) != v:
+                t.fill_(v)
+        return held
+
+
+# What a bucket optimizer's group sets itself, whatever the user's group says: the single-tensor
+# update (the one Inductor fuses), and for Adam the capturable form, whose bias corrections are
+# tensor ops and so broadcast the per-group step count.
+_BUCKET_SETTINGS = {"foreach": False, "capturable": True}
+
+# Float hyperparameters the stock updates take as tensors too (Adam's and Lion's betas); others
+# (SGD's momentum decides branches) stay constants of the compiled step.
+_TENSOR_HYPERPARAMETERS = {"betas"}
+
+
+def _floats(value):
+    return isinstance(value, tuple) and all(isinstance(v, float) for v in value)
+
+
+def _bytes(t):
+    return t.numel() * t.element_size()
+
+
+def _kind(state):
+    return {"kind": state.kind} if isinstance(state, CompandedState) else {}
+
+
+def _same_storage(a, b):
+    return all(getattr(a, k).data_ptr() == getattr(b, k).data_ptr() for k in type(a)._inner)
+
+
+def _flat_state(example, num_groups):
+    """The all-zero flat state of ``num_groups`` groups, in the format of the per-parameter ``example``."""
+    shape = (num_groups, GROUP)
+    if isinstance(example, CompandedState):
+        like = torch.empty(shape, dtype=example.dtype, device=example.device)
+        return CompandedState.zeros(like, example.kind)
+    if isinstance(example, Fp32State):
+        return Fp32State(torch.zeros(shape, dtype=torch.float32, device=example.device), shape=shape, dtype=example.dtype)
+    raise TypeError(f"a flat bucket keeps StateTensor states, got {type(example).__name__}")
+
+
+def _bucket_optimizer(optimizer, record, bucket):
+    """An optimizer of ``optimizer``'s class over the bucket's flat storage, prepared (registered
+    in ``roles.PREPARED``) so the passes find its tensors' roles."""
+    flat = bucket.weights.view(bucket.num_groups, GROUP)
+    flat.grad = bucket.grads.view(bucket.num_groups, GROUP)
+    group = {k: v for k, v in optimizer.param_groups[bucket.group_index].items() if k != "params"}
+    group.update((k, v) for k, v in _BUCKET_SETTINGS.items() if k in group)
+    state = {key: value for key, value in bucket.states.items()}
+    if bucket.step is not None:
+        state["step"] = bucket.step
+    proxy = type(optimizer).__new__(type(optimizer))
+    proxy.__setstate__({
+        "defaults": optimizer.defaults,
+        "state": collections.defaultdict(dict, {flat: state}),
+        "param_groups": [dict(group, params=[flat])],
+    })
+    proxy._warned_capturable_if_run_uncaptured = True
+    roles.PREPARED[proxy] = dataclasses.replace(
+        record,
+        optimizer_ref=weakref.ref(proxy),
+        error_terms={} if bucket.errors is None else {flat: bucket.errors.view(bucket.num_groups, GROUP)},
+        param_names={flat: bucket.name},
+        gradient_release=None,
+        buckets=[],
+        active_groups=bucket.active,
+    )
+    return proxy
+
+
+def lay_out(optimizer, record, group_index):
+    """The buckets of param group ``group_index``, its parameters' values, error terms and states
+    moved into them (``prepare``, ``add_param_group``, ``copy.deepcopy``)."""
+    by_key = {}
+    for p in optimizer.param_groups[group_index]["params"]:
+        by_key.setdefault(bucket_key(record, p), []).append(p)
+    return [Bucket(optimizer, record, group_index, params) for params in by_key.values()]
+
+
+def install_gradient_hooks(optimizer, buckets):
+    """Each gradient autograd computes lands in its parameter's view of the flat buffer.
+
+    A gradient accumulated into ``p.grad`` that is already the view needs nothing; one that autograd
+    created (``p.grad`` was None) is copied in. The hooks live on the parameters, which may
+    outlive the optimizer."""
+    handles = []
+    for bucket in buckets:
+        for index, p in enumerate(bucket.params):
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(_lander(weakref.ref(bucket), index)))
+    weakref.finalize(optimizer, lambda: [h.remove() for h in handles])
+
+
+def _lander(bucket_ref, index):
+    @torch.compiler.disable
+    def land(param):
+        bucket = bucket_ref()
+        if bucket is not None:
+            bucket.land(index)
+
+    return land
+
+
+@torch.compiler.disable
+def collect_gradients(record):
+    """The bucket optimizers to step now (``Bucket.collect_gradients``); eager, also inside a
+    compiled train step (it reads Python-side state of every parameter)."""
+    optimizer = record.optimizer
+    stepping = []
+    for bucket in record.buckets:
+        if bucket.collect_gradients(optimizer, record):
+            bucket.sync_hyperparameters(optimizer)
+            stepping.append(bucket.optimizer)
+    return stepping
+
+
+def step_buckets(optimizers):
+    """The stock step of each bucket optimizer: what Dynamo compiles (or traces inline).
+
+    The class's own update, without the wrappers ``torch.optim`` puts around ``step`` (hooks,
+    profiling, grad mode): a bucket optimizer has no hooks, and the wrappers end in graph breaks
+    that would give every bucket a graph of its own; one graph holds them all."""
+    with torch.no_grad():
+        for optimizer in optimizers:
+            inspect.unwrap(type(optimizer).step)(optimizer)
+
+
+def release_gradients(record):
+    for bucket in record.buckets:
+        if all(p.grad is None for p in bucket.params):
+            bucket.release_gradients()
+

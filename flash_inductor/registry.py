@@ -1,0 +1,64 @@
+"""What the package knows about each optimizer class it supports, in one place.
+
+An entry says which per-parameter states the class keeps and how each is companded (signed
+softsign codes, or sqrt-linear codes for a second moment), whether it keeps a ``step`` counter,
+and that its update is elementwise: what the 8-bit group layout and the flat step over
+``(groups, 32)`` views need (a non-elementwise update, such as a per-tensor norm, would mix
+parameters' segments). ``prepare`` allocates the states an entry names, checkpoints restore them,
+``flash_inductor/flat.py`` lays them out; the tests parametrize over ``SUPPORTED``. Supporting
+another elementwise ``torch.optim`` class (Adagrad, say) is one entry here, plus its tests.
+"""
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from flash_inductor.formats import companded
+from flash_inductor.optim import SGDW, Lion
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """The states one param group's parameters keep."""
+
+    quantized: dict  # state key -> companded.SIGNED / companded.SQRT
+    step: bool  # whether it keeps a "step" counter tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerEntry:
+    states: Callable[[dict], dict]  # param group -> {state key: companded kind}
+    counts_steps: bool
+    elementwise: bool = True
+
+    def layout(self, group):
+        return StateLayout(self.states(group), self.counts_steps)
+
+
+def _adam_states(group):
+    return {"exp_avg": companded.SIGNED, "exp_avg_sq": companded.SQRT} | (
+        {"max_exp_avg_sq": companded.SQRT} if group["amsgrad"] else {})
+
+
+def _momentum_states(group):
+    return {"momentum_buffer": companded.SIGNED} if group["momentum"] else {}
+
+
+SUPPORTED = {
+    torch.optim.AdamW: OptimizerEntry(_adam_states, counts_steps=True),
+    torch.optim.Adam: OptimizerEntry(_adam_states, counts_steps=True),
+    torch.optim.SGD: OptimizerEntry(_momentum_states, counts_steps=False),
+    SGDW: OptimizerEntry(_momentum_states, counts_steps=False),
+    Lion: OptimizerEntry(lambda group: {"exp_avg": companded.SIGNED}, counts_steps=False),
+}
+
+
+def layout(optimizer_class, group) -> StateLayout:
+    return SUPPORTED[optimizer_class].layout(group)
+
+
+def check_supported(optimizer):
+    if type(optimizer) not in SUPPORTED:
+        names = ", ".join(sorted(c.__module__.split(".")[0] + "." + c.__name__ for c in SUPPORTED))
+        raise TypeError(f"flash_inductor.prepare supports {names}; got {type(optimizer).__qualname__}")

@@ -1,0 +1,53 @@
+"""Untouched parameters: a bucket step leaves the groups of parameters without a gradient as they were.
+
+A flat bucket (``flash_inductor/flat.py``) steps all its parameters in one update; torch skips a
+parameter whose ``.grad`` is None. Each value the step writes is restored, where the bucket's
+``active`` mask (one flag per group of 32, False for the groups of such parameters) says so, to
+what it was before the step: weights, error terms, states and step counts stay bit-identical.
+
+Before (Dynamo graph of ``torch.optim.AdamW.step`` on a bucket optimizer)::
+
+    flat = self.param                             # bf16 (G, 32)
+    step = self.state_step                        # f32 (G, 1)
+    step.add_(1)
+    flat.mul_(1 - lr * wd)
+    flat.addcdiv_(exp_avg, denom)
+
+After::
+
+    active = placeholder                          # bool (G, 1), bound to the bucket's mask
+    step_before = step.clone()
+    step.add_(1)
+    step.copy_(torch.where(active, step, step_before))
+    flat_before = flat.clone()
+    flat.mul_(1 - lr * wd)
+    flat.addcdiv_(exp_avg, denom)
+    flat.copy_(torch.where(active, flat, flat_before))
+
+It runs before the storage passes, which then make ``clone`` and ``copy_`` act on the decoded
+fp32 values; after functionalization ``*_before`` is the input itself, read once by the fused kernel.
+"""
+
+import torch.fx as fx
+
+from flash_inductor import graph_utils, roles
+
+
+def untouched_parameters_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]:
+    targets = [
+        name for name, role in ctx.roles.items()
+        if role.kind in (roles.PARAM, roles.STATE) and name in ctx.written and role.prepared.active_groups is not None
+    ]
+    if not targets:
+        return gm, []
+    gm = graph_utils.copy_graph_module(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    masks = {}  # record -> its mask's placeholder
+    for name in targets:
+        record = ctx.roles[name].prepared
+        if record not in masks:
+            masks[record] = graph_utils.add_bound_placeholder(gm.graph, f"active_groups_{len(masks)}", record.active_groups)
+        graph_utils.restore_where(gm.graph, nodes[name], masks[record], name=ctx.roles[name].node_name("before"))
+    gm.graph.lint()
+    gm.recompile()
+    return gm, targets

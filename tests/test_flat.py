@@ -1,0 +1,271 @@
+"""Flat storage and the one step over it (flash_inductor/flat.py).
+
+1. Layout: parameters, error terms and states are views of one flat buffer per bucket, every
+   segment starting at a multiple of 32; the padding stays zero through training.
+2. Gradients land in the flat buffer (first backward, after ``opt.zero_grad()`` and
+   ``model.zero_grad()``, accumulated over two backwards); a gradient replaced by another tensor
+   is used; ``zero_grad()`` frees the flat buffer.
+3. One step for all: the rewritten step graph has as many nodes, and Inductor as many kernels,
+   for 8 parameters as for 2.
+4. Stock semantics: a parameter without a gradient keeps every stored bit and its step count, and
+   later steps use its own count, as stock fp32 AdamW does; step hooks run.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import flash_inductor
+from flash_inductor import flat
+from flash_inductor.prepare import prepared
+from helpers import EAGER, Net, snapshot
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+def _prepared_net(make_opt=lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), **kwargs):
+    torch.manual_seed(0)
+    model = Net(extra=nn.Linear(3, 5))  # 15 + 5 elements: segments with padding
+    opt = make_opt(model.parameters())
+    flash_inductor.prepare(model, opt, compile_options=EAGER, **kwargs)
+    return model, opt
+
+
+def _train(model, opt, steps=2):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(8, 128, generator=gen, dtype=torch.bfloat16)
+        (model(x).float().square().mean() + model.extra(x[:, :3]).float().sum()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _inside(t, buffer):
+    start = buffer.untyped_storage().data_ptr()
+    return t.untyped_storage().data_ptr() == start and t.data_ptr() - start < buffer.numel() * buffer.element_size()
+
+
+def test_parameters_error_terms_and_states_are_views_of_the_buckets():
+    model, opt = _prepared_net()
+    record = prepared(opt)
+    by_name = {n: p for n, p in model.named_parameters()}
+    buckets = {p: b for b in record.buckets for p in b.params}
+    assert set(buckets) == set(by_name.values())
+    for name, p in by_name.items():
+        bucket = buckets[p]
+        segment = bucket.segments[p]
+        assert segment.offset % 32 == 0
+        assert p.data_ptr() == bucket.weights.data_ptr() + segment.offset * p.element_size()
+        if record.error_term(p) is not None:
+            assert _inside(record.error_term(p), bucket.errors)
+        for key, state in opt.state[p].items():
+            if key == "step":
+                assert _inside(state, bucket.step), (name, key)
+            else:
+                inner, flat_state = (state.codes, bucket.states[key].codes) if hasattr(state, "codes") else (
+                    state.values, bucket.states[key].values)
+                assert _inside(inner, flat_state), (name, key)
+    # fc1.weight and fc2.weight (8-bit states), the small bf16 tensors (fp32 states), LayerNorm (fp32)
+    assert sorted((str(b.weights.dtype), len(b.params)) for b in record.buckets) == [
+        ("torch.bfloat16", 2), ("torch.bfloat16", 3), ("torch.float32", 2)]
+
+
+def test_padding_stays_zero_through_training():
+    model, opt = _prepared_net()
+    _train(model, opt, steps=3)
+    for bucket in prepared(opt).buckets:
+        used = torch.zeros(bucket.weights.numel(), dtype=torch.bool)
+        for p in bucket.params:
+            segment = bucket.segments[p]
+            used[segment.offset:segment.offset + segment.numel] = True
+        assert bool((bucket.weights[~used] == 0).all())
+        if bucket.errors is not None:
+            assert bool((bucket.errors[~used] == 0).all())
+        for state in bucket.states.values():
+            values = state.codes if hasattr(state, "codes") else state.values
+            assert bool((values.reshape(-1)[~used] == 0).all())
+
+
+def test_gradients_land_in_the_flat_buffer_and_zero_grad_frees_it():
+    model, opt = _prepared_net()
+    bucket = next(b for b in prepared(opt).buckets if model.fc1.weight in b.segments)
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+
+    def backward():
+        model(x).float().sum().backward()
+
+    backward()  # p.grad was None: autograd's new gradient is copied in
+    assert model.fc1.weight.grad is bucket.grad_views[bucket.params.index(model.fc1.weight)]
+    first = model.fc1.weight.grad.clone()
+    backward()  # accumulates in place
+    torch.testing.assert_close(model.fc1.weight.grad.float(), 2 * first.float(), rtol=1e-2, atol=0)
+    assert _inside(model.fc1.weight.grad, bucket.grads)
+    opt.zero_grad()
+    assert model.fc1.weight.grad is None and not bucket.gradients_held()
+    backward()
+    assert _inside(model.fc1.weight.grad, bucket.grads) and torch.equal(model.fc1.weight.grad, first)
+    model.zero_grad()  # Module.zero_grad: p.grad = None; the buffer stays
+    backward()
+    assert _inside(model.fc1.weight.grad, bucket.grads) and torch.equal(model.fc1.weight.grad, first)
+    opt.zero_grad(set_to_none=False)
+    assert _inside(model.fc1.weight.grad, bucket.grads) and not bool(model.fc1.weight.grad.any())
+
+
+def test_replaced_gradients_give_the_same_step_as_gradients_in_place():
+    """``p.grad = tensor`` (a new tensor each step, as gradient transforms do) is copied in."""
+    results = []
+    for replace in (False, True):
+        model, opt = _prepared_net()
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(2):
+            for p in model.parameters():
+                g = torch.randn(p.shape, generator=gen).to(p.dtype)
+                if replace or p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.copy_(g)
+            opt.step()
+        results.append(snapshot(model, opt))
+    assert results[0].keys() == results[1].keys()
+    for key in results[0]:
+        assert torch.equal(results[0][key], results[1][key]), key
+
+
+def test_parameter_without_gradient_is_untouched_and_keeps_its_own_step_count():
+    """Step 2 has no gradient for fc2.weight: every stored bit of it stays, its count stays 1, and
+    step 3 updates it with bias corrections of step 2, as stock fp32 AdamW does."""
+    torch.manual_seed(0)
+    stock_model = Net()
+    model = Net()
+    model.load_state_dict(stock_model.state_dict())
+    stock = torch.optim.AdamW(stock_model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    flash_inductor.prepare(model, opt, state_bits=None, compile_options=EAGER)  # fp32 states: a tight bar
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        for (name, p), q in zip(model.named_parameters(), stock_model.parameters()):
+            g = torch.randn(p.shape, generator=gen).to(p.dtype)
+            skip = step == 1 and name == "fc2.weight"
+            p.grad = None if skip else g
+            q.grad = None if skip else g.float()
+        if step == 1:
+            before = {k: v for k, v in snapshot(model, opt).items() if k.startswith("fc2.weight")}
+        opt.step()
+        stock.step()
+        if step == 1:
+            after = {k: v for k, v in snapshot(model, opt).items() if k.startswith("fc2.weight")}
+            assert before.keys() == after.keys()
+            assert all(torch.equal(before[k], after[k]) for k in before), "fc2.weight changed without a gradient"
+            assert float(opt.state[model.fc2.weight]["step"]) == 1.0
+            assert float(opt.state[model.fc1.weight]["step"]) == 2.0
+    masters = flash_inductor.master_state_dict(model, opt)
+    for name, q in stock_model.named_parameters():
+        assert float(opt.state[dict(model.named_parameters())[name]]["step"]) == float(stock.state[q]["step"])
+        # 24-bit masters and fp32 states: within 1e-5 of stock (the bias correction of step 3
+        # instead of 2 would put fc2.weight ~1e-3 off).
+        diff = (masters[name] - q.detach()).abs().max().item()
+        assert diff <= 1e-5, (name, diff)
+
+
+def test_bucket_without_any_gradient_is_not_stepped():
+    model, opt = _prepared_net()
+    for p in model.parameters():
+        p.grad = None if p.dtype == torch.float32 else torch.randn_like(p)
+    before = {k: v for k, v in snapshot(model, opt).items() if k.startswith("norm.")}
+    opt.step()
+    after = {k: v for k, v in snapshot(model, opt).items() if k.startswith("norm.")}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(b.per_group for b in prepared(opt).buckets)  # no per-group counts were needed
+
+
+def test_step_hooks_run():
+    model, opt = _prepared_net()
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    _train(model, opt, steps=2)
+    assert calls == ["pre", "post", "pre", "post"]
+
+
+def _chain(n):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(n)])
+
+
+def _step_graph_and_kernels(n, compiler):
+    from torch._inductor import metrics
+
+    model = _chain(n)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    flash_inductor.prepare(model, opt, min_quantized_numel=0, compile_options={"compiler": compiler})
+    model(torch.randn(2, 64, dtype=torch.bfloat16)).sum().backward()
+    torch._dynamo.reset()
+    metrics.reset()
+    report = flash_inductor.inspect(flash_inductor.compile(opt.step, compiler=compiler))
+    code = report.graph("optimizer step").stages[-1].code
+    return sum(1 for line in code.splitlines() if " = " in line), metrics.generated_kernel_count
+
+
+def test_step_graph_does_not_grow_with_the_number_of_parameters():
+    nodes_2, _ = _step_graph_and_kernels(2, "eager")
+    nodes_8, _ = _step_graph_and_kernels(8, "eager")
+    assert nodes_2 == nodes_8
+
+
+def test_step_kernels_do_not_grow_with_the_number_of_parameters():
+    _, kernels_2 = _step_graph_and_kernels(2, "inductor")
+    _, kernels_8 = _step_graph_and_kernels(8, "inductor")
+    assert kernels_2 == kernels_8
+
+
+# GPT-2 124M (Hugging Face GPT2LMHeadModel): wte, wpe, 12 blocks, ln_f; lm_head is tied to wte.
+_GPT2 = [(50257, 768), (1024, 768)] + 12 * [
+    (768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,), (768, 3072), (3072,), (3072, 768), (768,)
+] + [(768,), (768,)]
+
+
+def test_padding_of_the_gpt2_list_is_under_a_thousandth():
+    numels = [torch.Size(s).numel() for s in _GPT2]
+    padded = sum(flat.segment_length(n) for n in numels)
+    assert len(numels) == 148 and padded / sum(numels) - 1 <= 1e-3
+
+
+def test_memory_report_counts_the_flat_buffers():
+    model, opt = _prepared_net()
+    report = flash_inductor.memory_report(model, opt)
+    buckets = prepared(opt).buckets
+    assert report.bytes["weights"] == sum(b.weights.numel() * b.weights.element_size() for b in buckets)
+    assert report.bytes["grads"] == sum(b.grads.numel() * b.grads.element_size() for b in buckets)
+    assert report.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_one_cycle_lr_changes_lr_and_betas_every_step_without_a_recompile():
+    """OneCycleLR (cycle_momentum=True) sets lr and betas[0] every step: no recompile per step, and the
+    masters follow stock fp32 AdamW under the same schedule (betas frozen at their first value
+    would put them ~1e-3 off)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    stock_model, model = Net(), Net()
+    model.load_state_dict(stock_model.state_dict())
+    stock = torch.optim.AdamW(stock_model.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    flash_inductor.prepare(model, opt, state_bits=None, compile_options=EAGER)
+    schedules = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=10) for o in (stock, opt)]
+    gen = torch.Generator().manual_seed(4)
+    betas = set()
+    for _ in range(6):
+        for p, q in zip(model.parameters(), stock_model.parameters()):
+            g = torch.randn(p.shape, generator=gen).to(p.dtype)
+            p.grad, q.grad = g, g.float()
+        opt.step()
+        stock.step()
+        for schedule in schedules:
+            schedule.step()
+        betas.add(opt.param_groups[0]["betas"][0])
+    # one graph while betas keep their first value (floats), one from their first change on (tensors)
+    assert len(betas) == 6 and counters["stats"]["unique_graphs"] == 2
+    masters = flash_inductor.master_state_dict(model, opt)
+    for name, q in stock_model.named_parameters():
+        diff = (masters[name] - q.detach()).abs().max().item()
+        assert diff <= 1e-5, (name, diff)
