@@ -40,6 +40,10 @@ def _grad_bytes(params):
 def measure(device, optimizer, release, *, layers=16, width=2048, steps=3, compile_options=None):
     """One configuration's memory figures (bytes) and step times, as a dict."""
     cuda = device == "cuda"
+    # Dynamo's cache holds a previous configuration's compiled steps, and they its tensors (bucket
+    # optimizers' flat buffers are graph attributes): freed only by a reset, or they would count in
+    # this configuration's baseline.
+    torch._dynamo.reset()
     if cuda:
         gc.collect()  # a previous configuration's model and optimizer hold reference cycles (hooks)
         torch.cuda.synchronize()

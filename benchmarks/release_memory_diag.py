@@ -16,6 +16,7 @@ import flash_inductor
 
 rows = []
 for release in (False, True):
+    torch._dynamo.reset()  # the previous configuration's compiled step holds its tensors (graph attributes)
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

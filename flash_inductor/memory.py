@@ -43,6 +43,9 @@ def memory_report(model, optimizer):
     that require one; with gradient release, where each gradient is freed as soon as its
     parameter is updated, the largest one. ``model`` may be None; when given, it must own the
     optimizer's parameters. Of an FSDP2-sharded model: this rank's shards (bytes and parameter count).
+    Of an optimizer with flat buckets (flash_inductor/flat.py): the bytes of their buffers, padding
+    included, and ``grads`` their gradient buffers (held between steps or not; none for a bucket of
+    frozen parameters).
     """
     record = roles.PREPARED.get(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
