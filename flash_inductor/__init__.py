@@ -6,10 +6,8 @@
 """
 
 from flash_inductor import optim
-from flash_inductor.backend import compile
+from flash_inductor.backend import compile, inspect, prepare_fp8
 from flash_inductor.checkpoint import load_master_state_dict, master_state_dict
-from flash_inductor.fp8_delayed import prepare_fp8
-from flash_inductor.inspection import inspect
 from flash_inductor.memory import memory_report
 from flash_inductor.prepare import prepare
 from flash_inductor.train_step import train_step

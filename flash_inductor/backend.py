@@ -15,7 +15,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-from flash_inductor import _compat, fp8_delayed, graph_utils, inspection, roles
+from flash_inductor import _compat, fp8_delayed, graph_utils, inspection, memory, passes, roles
 from flash_inductor.options import Options
 from flash_inductor.pipeline import AtenPasses, PassContext, run_torch_passes
 
@@ -38,10 +38,38 @@ def compile(fn=None, **options):
     """
     parsed = Options.from_dict(options)  # fail early on bad options
     if parsed.fp8 == "delayed" and isinstance(fn, torch.nn.Module):
-        fp8_delayed.prepare_fp8(fn, **options)
+        prepare_fp8(fn, **options)
     if fn is None:
         return functools.partial(compile, **options)
     return torch.compile(fn, backend=flashoptim_backend, options=options or None)
+
+
+def prepare_fp8(model: torch.nn.Module, **options):
+    """Give every ``nn.Linear`` of ``model`` that runs in FP8 under ``options`` (the backend's
+    options; ``fp8="delayed"`` is implied) its delayed-scaling buffers, in place; returns ``model``
+    (flash_inductor/fp8_delayed.py). ``compile(model, fp8="delayed")`` and ``train_step`` call it."""
+    opts = Options.from_dict({"fp8": "delayed", **options})
+    if opts.fp8 != "delayed":
+        raise ValueError(f"prepare_fp8 prepares fp8='delayed'; got fp8={opts.fp8!r}")
+    return fp8_delayed.add_state(model, opts)
+
+
+def inspect(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` once through the backend and return an ``inspection.Report``.
+
+    ``fn`` may be a plain function (compiled here with ``backend="flashoptim"``) or one already
+    compiled with it (its options are kept). Dynamo's caches are reset first, so every graph is
+    captured and every pass really runs: other compiled functions recompile on their next call.
+    """
+    report = inspection.Report()
+    target = fn if hasattr(fn, "_torchdynamo_orig_callable") else compile(fn)
+    torch._dynamo.reset()
+    with inspection.collecting(report):
+        target(*args, **kwargs)
+    # The user's optimizers, not the bucket optimizers their flat steps run (flash_inductor/flat.py).
+    report.memory = [memory.memory_report(None, opt) for opt, record in list(roles.PREPARED.items())
+                     if record.active_groups is None]
+    return report
 
 
 @dataclasses.dataclass
@@ -55,8 +83,6 @@ class Rewritten:
 
 def rewrite(gm, example_inputs, options: Options) -> Rewritten:
     """Roles, then the torch-level passes on a Dynamo graph."""
-    from flash_inductor import passes
-
     graph_roles = roles.find_roles(gm, example_inputs)
     written = roles.mutated_inputs(gm.graph)
     is_step = any(r.kind == roles.PARAM and n in written for n, r in graph_roles.items())
@@ -69,8 +95,6 @@ def rewrite(gm, example_inputs, options: Options) -> Rewritten:
 
 
 def compile_graph(gm, example_inputs, options: Options):
-    from flash_inductor import passes
-
     result = rewrite(gm, example_inputs, options)
     if options.compiler == "eager":
         compiled = result.graph_module.forward
@@ -98,8 +122,6 @@ def _static_fakes(tensors, example_inputs):
 
 
 def _inductor(result: Rewritten, example_inputs, aten_passes):
-    from flash_inductor import passes
-
     ctx, record = result.context, result.context.recorder
     patches = {}
     is_step = any(p.required_for_prepared and p.name in result.rewritten for p in passes.TORCH_PASSES)

@@ -21,7 +21,7 @@ import torch
 from flash_inductor import module_hooks, roles, sharded
 from flash_inductor.formats import companded, split_weights
 from flash_inductor.formats.state_tensor import CompandedState, StateTensor
-from flash_inductor.prepare import init_state, make_lr_tensor, new_state, prepared
+from flash_inductor.optimizer_record import init_state, make_lr_tensor, new_state, prepared
 
 ERROR_TERM_KEY = "error_term"
 

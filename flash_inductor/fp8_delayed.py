@@ -60,18 +60,14 @@ def _new_state(weight, length):
     return {"amax_history": rows(2), "scale": ones(2), "grad_amax_history": rows(1), "grad_scale": ones(1)}
 
 
-def prepare_fp8(model: nn.Module, **options):
-    """Give every ``nn.Linear`` of ``model`` that runs in FP8 under ``options`` (the backend's
-    options; ``fp8="delayed"`` is implied) its delayed-scaling buffers, in place; returns ``model``.
+def add_state(model: nn.Module, opts):
+    """``prepare_fp8`` (flash_inductor/backend.py) with the options parsed (``flash_inductor.options.
+    Options``, ``fp8="delayed"``): give every ``nn.Linear`` of ``model`` that runs in FP8 under them
+    its delayed-scaling buffers, in place; returns ``model``.
 
     Layers that already have them keep them (calling it again, e.g. on every compile, is harmless);
     state of another history length is refused, and nothing is changed then.
     """
-    from flash_inductor.options import Options
-
-    opts = Options.from_dict({"fp8": "delayed", **options})
-    if opts.fp8 != "delayed":
-        raise ValueError(f"prepare_fp8 prepares fp8='delayed'; got fp8={opts.fp8!r}")
     new, seen = [], set()
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or ineligible_reason(module.weight, name, opts) is not None:

@@ -41,7 +41,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from flash_inductor import checks, roles
+from flash_inductor import checks, roles, sharded, sharded_step
+from flash_inductor.backend import compile as compile_with_backend
+from flash_inductor.steps import evaluate_closure, run_compiled_step
 
 OPTION = "prepare(..., gradient_release=True)"
 
@@ -62,8 +64,6 @@ class SingleParameterStep:
     on its local shard, through the local optimizer)."""
 
     def __init__(self, optimizer, group_index, param, compile_options):
-        from flash_inductor.backend import compile as compile_with_backend
-
         self.group_index = group_index
         self.param = param
         self.optimizer = type(optimizer).__new__(type(optimizer))
@@ -93,15 +93,13 @@ class GradientRelease:
         self.optimizers = {}  # param -> SingleParameterStep
         self.group_index = {}  # param -> index of its group
         self.updated = set()  # ids of parameters updated since the last step() / zero_grad()
-        self.local_optimizer = None  # sharded.LocalOptimizer, for FSDP2 parameters
+        self.local_optimizer = None  # sharded_step.LocalOptimizer, for FSDP2 parameters
 
     @classmethod
     def install(cls, optimizer, record, compile_options):
-        from flash_inductor import sharded
-
         release = cls(optimizer, record, compile_options)
         if any(sharded.is_sharded(p) for p in record.params()):
-            release.local_optimizer = sharded.LocalOptimizer.build(optimizer, record)
+            release.local_optimizer = sharded_step.LocalOptimizer.build(optimizer, record)
         handles = []
         for group_index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -128,8 +126,6 @@ class GradientRelease:
     @torch.compiler.disable
     def update(self, param):
         """Post-accumulate-grad hook: update ``param`` with its gradient, then free the gradient."""
-        from flash_inductor.prepare import run_compiled_step
-
         optimizer = self.optimizer_ref()
         name = self.record.param_names.get(param, "?")
         if id(param) in self.updated:
@@ -185,8 +181,6 @@ def _data_parallel(param):
 @torch.compiler.disable
 def _step(optimizer, closure=None):
     """``optimizer.step()`` under gradient release: the updates happened in backward."""
-    from flash_inductor.prepare import evaluate_closure
-
     loss = evaluate_closure(closure)
     release = roles.PREPARED[optimizer].gradient_release
     # A gradient still there at the step did not pass through a hook (set by hand, or of a parameter

@@ -172,24 +172,3 @@ def collecting(report):
             yield report
     finally:
         _active.remove(report)
-
-
-def inspect(fn, *args, **kwargs):
-    """Run ``fn(*args, **kwargs)`` once through the backend and return a ``Report``.
-
-    ``fn`` may be a plain function (compiled here with ``backend="flashoptim"``) or one already
-    compiled with it (its options are kept). Dynamo's caches are reset first, so every graph is
-    captured and every pass really runs: other compiled functions recompile on their next call.
-    """
-    from flash_inductor import memory, roles
-    from flash_inductor.backend import compile as compile_with_backend
-
-    report = Report()
-    target = fn if hasattr(fn, "_torchdynamo_orig_callable") else compile_with_backend(fn)
-    torch._dynamo.reset()
-    with collecting(report):
-        target(*args, **kwargs)
-    # The user's optimizers, not the bucket optimizers their flat steps run (flash_inductor/flat.py).
-    report.memory = [memory.memory_report(None, opt) for opt, record in list(roles.PREPARED.items())
-                     if record.active_groups is None]
-    return report

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from flash_inductor import passes
 from flash_inductor.formats.fp8 import HISTORY_LENGTH
 
 
@@ -153,9 +154,7 @@ def _callable(options, name, expected):
 
 
 def _check_pass_names(names):
-    from flash_inductor.passes import ALL_PASSES
-
-    known = [p.name for p in ALL_PASSES]
+    known = [p.name for p in passes.ALL_PASSES]
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"flashoptim: option 'disable' names unknown pass(es) {unknown}; passes are {known}")

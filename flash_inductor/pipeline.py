@@ -174,11 +174,10 @@ def _as_pass_tuple(value):
 
 @functools.cache
 def _package_source_digest():
-    import flash_inductor
-    from flash_inductor import passes
-
+    # The passes (flash_inductor.passes, imported by then: the backend runs them) may be installed
+    # outside this package's folder (pyproject maps them from passes/).
     digest = hashlib.sha256()
-    for folder in (flash_inductor.__path__[0], passes.__path__[0]):
+    for folder in (pathlib.Path(__file__).parent, sys.modules["flash_inductor.passes"].__path__[0]):
         for path in sorted(pathlib.Path(folder).rglob("*.py")):
             digest.update(path.read_bytes())
     return digest.digest()

@@ -4,7 +4,7 @@ import functools
 
 from flash_inductor import roles
 from flash_inductor.backend import compile as compile_with_backend
-from flash_inductor.fp8_delayed import prepare_fp8
+from flash_inductor.backend import prepare_fp8
 from flash_inductor.prepare import prepare
 
 _PREPARE_ARGS = ("master_weight_bits", "state_bits", "keep_fp32", "min_quantized_numel",

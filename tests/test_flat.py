@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import flash_inductor
 from flash_inductor import flat
-from flash_inductor.prepare import prepared
+from flash_inductor.optimizer_record import prepared
 from helpers import EAGER, Net, snapshot
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -204,9 +204,9 @@ def test_one_cycle_lr_changing_sgd_momentum_every_step_names_momentum_and_the_fi
     """Adam's and Lion's cycling betas are tensors of the flat step (tests/test_flat.py); SGD's
     momentum decides branches of its update, so it stays a constant and OneCycleLR's cycling of it
     is refused with the fix."""
-    # The recompile limit grows with the steps this process ran (prepare.run_compiled_step): start
+    # The recompile limit grows with the steps this process ran (steps.run_compiled_step): start
     # from none, as in a fresh process (fresh_dynamo emptied Dynamo's cache).
-    monkeypatch.setattr(importlib.import_module("flash_inductor.prepare"), "_run_step_count", 0)
+    monkeypatch.setattr(importlib.import_module("flash_inductor.steps"), "_run_step_count", 0)
     model = nn.Linear(64, 64, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     flash_inductor.prepare(model, opt, compile_options=EAGER)

@@ -1,0 +1,72 @@
+"""What ``prepare`` does to the model: fp32 parameters and buffers become bf16, except
+normalization layers and modules the user keeps in fp32 (those get fp32 input/output casts).
+The fp32 values of the cast parameters become their masters."""
+
+import fnmatch
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from flash_inductor import fp8_delayed, module_hooks, sharded
+
+NORM_LAYERS = (
+    nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm,
+    nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
+)
+
+
+
+def keeps_fp32(name, module, patterns):
+    return isinstance(module, NORM_LAYERS) or any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+
+# parameter -> its fp32 value before ``prepare`` cast it, for trainable parameters the preparing
+# optimizer did not hold: another optimizer's ``prepare`` takes it as their master.
+FP32_ORIGINALS = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
+
+
+def convert_model(model, keep_fp32, held):
+    """Cast fp32 parameters and buffers (except FP8 delayed-scaling state) to bf16 in place (same
+    Parameter objects); return the original fp32 values of the cast parameters in ``held``, which
+    become their masters. Those of other trainable parameters are kept in ``FP32_ORIGINALS``
+    until the optimizer that holds them is prepared."""
+    masters = {}
+    kept = []
+    retained = []
+    for name, module in model.named_modules():
+        if keeps_fp32(name, module, keep_fp32):
+            if any(p.dtype == torch.float32 for p in module.parameters(recurse=False)):
+                kept.append(module)
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if p.dtype != torch.float32:
+                continue
+            if sharded.is_sharded(p):
+                original = sharded.cast_parameter(p, torch.bfloat16)
+            else:
+                original = p.data  # the fp32 storage itself: p.data is replaced, not written
+                p.data = p.data.to(torch.bfloat16)
+            if p in held:
+                masters[p] = original
+            elif p.requires_grad:
+                FP32_ORIGINALS[p] = original
+                retained.append((f"{name}.{pname}" if name else pname, original))
+        for bname, b in module.named_buffers(recurse=False):
+            if b.dtype == torch.float32 and not fp8_delayed.is_state_buffer(bname):
+                setattr(module, bname, b.to(torch.bfloat16))
+    for module in kept:
+        module_hooks.keep_fp32_with_io_casts(module)
+    if retained:
+        mib = sum(t.numel() * t.element_size() for _, t in retained) / 2**20
+        warnings.warn(
+            f"flash_inductor.prepare: {len(retained)} trainable parameters of the model are not in this optimizer "
+            f"(e.g. '{retained[0][0]}'); they became bf16 and their fp32 values ({mib:.1f} MiB) are kept until the "
+            "optimizer that holds them is prepared, which takes them as masters. Freeze parameters no optimizer "
+            "trains (requires_grad_(False)) before prepare to drop them.",
+            stacklevel=3,
+        )
+    return masters
+
+

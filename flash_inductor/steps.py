@@ -1,0 +1,134 @@
+"""How a prepared optimizer's ``step`` runs: through the ``flashoptim`` backend.
+
+``route_step_through_buckets`` (the default: the flat step of flash_inductor/flat.py) and
+``route_step_per_parameter`` (the local optimizer of FSDP2 shards) replace ``optimizer.step``;
+``run_compiled_step`` calls a compiled step with a Dynamo cache large enough for every prepared step.
+"""
+
+import collections
+import types
+import weakref
+
+import torch
+
+from flash_inductor import checks, flat, module_hooks
+from flash_inductor.backend import compile as compile_with_backend
+from flash_inductor.optimizer_record import prepared
+
+
+def route_step_through_buckets(optimizer, compile_options):
+    """Replace ``optimizer.step`` (a bound method, so LR schedulers can wrap it) by the flat step:
+    the gradients collected into the buckets, then the stock step of every bucket optimizer with a
+    gradient, through the ``flashoptim`` backend (traced inline when already compiling). And
+    ``zero_grad(set_to_none=True)`` frees the flat gradient buffers."""
+    compiled = compile_with_backend(flat.step_buckets, **compile_options)
+    original_zero_grad = optimizer.zero_grad
+
+    def step(self, closure=None):
+        record = prepared(self)
+        loss = evaluate_closure(closure)
+        if torch.compiler.is_compiling():
+            flat.step_buckets(flat.collect_gradients(record))
+            return loss
+        stepping = flat.collect_gradients(record)  # checks each gradient it has to copy in
+        if record.check_numerics:
+            for group in self.param_groups:
+                checks.check_lr_moves_weights(record, group)
+        module_hooks.forget_loaded_error_terms(record.params())
+        if stepping:
+            run_compiled_step(compiled, self, stepping)
+        return loss
+
+    @torch.compiler.disable
+    def zero_grad(self, set_to_none=True):
+        original_zero_grad(set_to_none)
+        if set_to_none:
+            flat.release_gradients(prepared(self))
+
+    # torch's wrapper of ``step``: the user's step hooks (register_step_pre_hook) and profiling.
+    optimizer.step = types.MethodType(torch.optim.Optimizer.profile_hook_step(step), optimizer)
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+
+
+def route_step_per_parameter(optimizer, compile_options):
+    """Replace ``optimizer.step`` by the stock step over its parameters (unrolled per parameter),
+    through the ``flashoptim`` backend, or traced inline when already compiling. The step of the
+    local optimizer of FSDP2 shards, whose local tensors FSDP2 owns and may replace."""
+    original = optimizer.step
+    compiled = compile_with_backend(original, **compile_options)
+
+    def step(self, closure=None):
+        if torch.compiler.is_compiling():
+            return original(closure)
+        loss = evaluate_closure(closure)
+        checks.check_before_step(self)
+        module_hooks.forget_loaded_error_terms(prepared(self).params())
+        run_compiled_step(compiled, self)
+        return loss
+
+    optimizer.step = types.MethodType(step, optimizer)
+
+
+def evaluate_closure(closure):
+    """What ``step(closure)`` returns: the closure's loss, evaluated with grad enabled (as torch's
+    optimizers do), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+_RUN_STEPS = weakref.WeakSet()  # the compiled steps run so far (alive)
+_run_step_count = 0  # how many distinct compiled steps have run in this process, dead ones included
+
+
+def run_compiled_step(compiled, optimizer, *args):
+    """Call a compiled optimizer step (on ``args``) with a Dynamo cache large enough for every prepared step.
+
+    Every optimizer of a class shares one Dynamo cache (one code object, guarded on ``self``), and
+    gradient release adds one single-parameter optimizer per parameter. Entries of optimizers that
+    were freed stay in that cache and count towards the limit, so the room is sized by every step
+    run so far (two entries each: a hook in CUDA's autograd thread runs under another grad mode).
+    Past the limit Dynamo would silently run the step eagerly, without the passes; it raises
+    instead. Float hyperparameters (betas, weight decay, momentum) are specialized: a changed value
+    recompiles the step, where Dynamo would otherwise make it a graph input read with ``.item()``,
+    which the passes cannot rewrite; a recompile limit hit because they change every step raises
+    an error naming them.
+    """
+    global _run_step_count
+    if compiled not in _RUN_STEPS:
+        _RUN_STEPS.add(compiled)
+        _run_step_count += 1
+    config = torch._dynamo.config
+    limit = max(config.recompile_limit, 2 * _run_step_count + 8)
+    with config.patch(recompile_limit=limit, accumulated_recompile_limit=max(config.accumulated_recompile_limit, limit),
+                      fail_on_recompile_limit_hit=True, specialize_float=True,
+                      # A bucket whose step count becomes per group recompiles with static shapes.
+                      automatic_dynamic_shapes=False):
+        seen = _FLOAT_HYPERPARAMETERS.setdefault(optimizer, collections.defaultdict(set))
+        for gi, group in enumerate(optimizer.param_groups):
+            for key, value in group.items():
+                if key != "params" and _is_float_constant(value):
+                    seen[gi, key].add(value)
+        try:
+            compiled(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+            changing = [f"param_groups[{gi}]['{key}']" for (gi, key), values in seen.items() if len(values) > 1]
+            if not changing:
+                raise
+            raise RuntimeError(
+                f"flash_inductor: the {type(optimizer).__name__} step recompiled for every new value of "
+                f"{', '.join(changing)} and hit Dynamo's recompile limit: float hyperparameters are constants of the "
+                "compiled step (lr, and Adam's and Lion's betas, are tensors and may change freely). A scheduler "
+                "that changes them every step, such as OneCycleLR with its default cycle_momentum=True (SGD's "
+                "momentum), needs cycle_momentum=False; or keep them fixed"
+            ) from error
+
+
+# optimizer -> {(group index, key): values of its float hyperparameters seen at compiled steps}
+_FLOAT_HYPERPARAMETERS = weakref.WeakKeyDictionary()
+
+
+def _is_float_constant(value):
+    return isinstance(value, float) or (isinstance(value, tuple) and all(isinstance(v, float) for v in value))
+
