@@ -74,7 +74,7 @@ def bucket_key(record, p):
 class Bucket:
     """The parameters of one bucket, their flat storage and their bucket optimizer."""
 
-    def __init__(self, optimizer, record, group_index, params):
+    def __init__(self, optimizer, record, group_index, params, flat_step=True):
         self.group_index = group_index
         self.params = params
         self.segments = {}
@@ -99,9 +99,11 @@ class Bucket:
         self.grad_views = [self.segments[p].of(self.grads) for p in params]
         layout = record.layout(optimizer.param_groups[group_index])
         self.states = {key: _flat_state(optimizer.state[first][key], self.num_groups) for key in layout.quantized}
-        self.counts_steps = layout.step
+        # Without the flat step (gradient release updates each parameter alone, on its views) step
+        # counts stay the parameters' own tensors, and there is no bucket optimizer.
+        self.counts_steps = layout.step and flat_step
         self.per_group = False
-        self.step = torch.zeros(1, 1, dtype=torch.float32, device=first.device) if layout.step else None
+        self.step = torch.zeros(1, 1, dtype=torch.float32, device=first.device) if self.counts_steps else None
         self.active = torch.ones(1, 1, dtype=torch.bool, device=first.device)
         self._active_flags = [True] * len(params)
         self._tensor_hyperparameters = {}  # key -> the fp32 tensors the bucket optimizer's group holds
@@ -109,7 +111,7 @@ class Bucket:
         for p in params:
             self.adopt(optimizer, record, p)
         self.adopt_steps(optimizer)
-        self.optimizer = _bucket_optimizer(optimizer, record, self)
+        self.optimizer = _bucket_optimizer(optimizer, record, self) if flat_step else None
         self.release_gradients()  # storage from the first gradient on (hold_gradients)
 
     # ------------------------------------------------------------------ storage
@@ -339,13 +341,14 @@ def _bucket_optimizer(optimizer, record, bucket):
     return proxy
 
 
-def lay_out(optimizer, record, group_index):
+def lay_out(optimizer, record, group_index, flat_step=True):
     """The buckets of param group ``group_index``, its parameters' values, error terms and states
-    moved into them (``prepare``, ``add_param_group``, ``copy.deepcopy``)."""
+    moved into them (``prepare``, ``add_param_group``, ``copy.deepcopy``); with ``flat_step=False``
+    (gradient release) only the storage, without bucket optimizers or step counts."""
     by_key = {}
     for p in optimizer.param_groups[group_index]["params"]:
         by_key.setdefault(bucket_key(record, p), []).append(p)
-    return [Bucket(optimizer, record, group_index, params) for params in by_key.values()]
+    return [Bucket(optimizer, record, group_index, params, flat_step) for params in by_key.values()]
 
 
 def install_gradient_hooks(optimizer, buckets):

@@ -101,7 +101,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.power_of_two = power_of_two
         ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        out = _scaled_mm(x_fp8, x_inv, w_fp8.t(), w_inv, fast_accum)
+        # Column-major already for an (out, in) weight (no copy); a transposed (in, out) one is copied.
+        out = _scaled_mm(x_fp8, x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(_output_dtype(x, weight))

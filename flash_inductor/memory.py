@@ -82,9 +82,11 @@ def memory_report(model, optimizer):
 
 def _flat_report(optimizer, record, params):
     """Of flat buckets: their buffers' bytes, padding included (gradients: the flat buffer, held
-    or not between steps)."""
+    or not between steps; with gradient release, the largest gradient)."""
     sizes = {}
     for bucket in record.buckets:
         for key, n in bucket.nbytes().items():
             sizes[key] = sizes.get(key, 0) + n
+    if record.gradient_release is not None:  # each gradient is freed once its parameter is updated
+        sizes["grads"] = max((_nbytes(p) for p in params if p.requires_grad), default=0)
     return MemoryReport(type(optimizer).__name__, sum(p.numel() for p in params), sizes)

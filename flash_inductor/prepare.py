@@ -91,6 +91,9 @@ def prepare(
             module_hooks.split_weights_on_load(module)
     roles.PREPARED[optimizer] = record
     if gradient_release:
+        if not any(sharded.is_sharded(p) for p in record.params()):
+            # Each parameter's update runs on its slices of the flat storage.
+            lay_out_flat(optimizer, record, range(len(optimizer.param_groups)), flat_step=False)
         record.gradient_release = release.GradientRelease.install(optimizer, record, compile_options or {})
     elif any(sharded.is_sharded(p) for p in record.params()):
         route_step_through_local_optimizer(optimizer, record, compile_options or {})
@@ -101,12 +104,14 @@ def prepare(
     return model
 
 
-def lay_out_flat(optimizer, record, group_indices):
-    """Move the parameters of the param groups ``group_indices`` into flat buckets."""
+def lay_out_flat(optimizer, record, group_indices, flat_step=True):
+    """Move the parameters of the param groups ``group_indices`` into flat buckets (and, for the
+    flat step, land their gradients there)."""
     for gi in group_indices:
-        buckets = flat.lay_out(optimizer, record, gi)
+        buckets = flat.lay_out(optimizer, record, gi, flat_step)
         record.buckets.extend(buckets)
-        flat.install_gradient_hooks(optimizer, buckets)
+        if flat_step:
+            flat.install_gradient_hooks(optimizer, buckets)
 
 
 def prepare_group(optimizer, record, group, masters, names):

@@ -1,14 +1,18 @@
 """FP8 linear: eligible linear layers of the forward graph run as FP8 GEMMs (option ``fp8``).
 
-Before (Dynamo graph of a model with an ``nn.Linear(4096, 4096)`` named ``fc1``)::
+Before (Dynamo graph of a model with an ``nn.Linear(4096, 4096)`` named ``fc1``, and a Hugging Face
+``Conv1D`` named ``c_attn`` whose weight is stored (in, out))::
 
     linear = torch._C._nn.linear(x, fc1_weight, fc1_bias)
     matmul = x @ head_weight.T                      # also: F.linear, x @ w.t()
+    conv1d = torch.addmm(c_attn_bias, x2, c_attn_weight)   # also: x @ w, matmul(x, w), mm(x, w)
 
 After::
 
     linear = flash_inductor.fp8_linear.fp8_linear(x, fc1_weight, fc1_bias)
     matmul = flash_inductor.fp8_linear.fp8_linear(x, head_weight, None)
+    t = c_attn_weight.t()
+    conv1d = flash_inductor.fp8_linear.fp8_linear(x2, t, c_attn_bias)
 
 ``fp8_linear`` is an autograd function of plain ops (e4m3 forward, e5m2 gradients, per-tensor
 scaling: ``flash_inductor/fp8_linear.py``); AOTAutograd traces its backward and Inductor fuses the
@@ -42,34 +46,53 @@ import torch.fx as fx
 from flash_inductor import fp8_delayed, graph_utils
 from flash_inductor.fp8_linear import fp8_linear, ineligible_reason
 
+OUT_IN = "out_in"  # weight stored (out, in), as nn.Linear's: y = x @ w.T
+IN_OUT = "in_out"  # weight stored (in, out), as Hugging Face's Conv1D: y = x @ w
+
+
+def _is_transpose(node):
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"))
+        or (node.op == "call_method" and node.target == "t")
+        or (node.op == "call_function" and node.target is torch.t)
+    )
+
 
 def _as_linear(node):
-    """``(x, weight, bias)`` if ``node`` computes a linear layer, else None."""
+    """``(x, weight, bias, layout)`` if ``node`` multiplies by a 2-D right operand, else None:
+    ``F.linear``, ``x @ w.T`` / ``matmul(x, w.t())`` (``OUT_IN``), and ``x @ w``, ``matmul``,
+    ``mm``, ``addmm(b, x, w)`` with default alpha and beta (``IN_OUT``). Whether the operand is a
+    parameter is ``_decide``'s question."""
     if node.op != "call_function":
         return None
     if node.target in (torch._C._nn.linear, torch.nn.functional.linear):
         args = list(node.args) + [node.kwargs.get("bias")] * (3 - len(node.args))
-        return args[0], args[1], args[2]
-    if node.target in (operator.matmul, torch.matmul) and len(node.args) == 2:
+        return args[0], args[1], args[2], OUT_IN
+    if node.target in (operator.matmul, torch.matmul, torch.mm) and len(node.args) == 2 and not node.kwargs:
         x, rhs = node.args
-        transposed = isinstance(rhs, fx.Node) and (
-            (rhs.op == "call_function" and rhs.target is getattr and rhs.args[1] in ("T", "mT"))
-            or (rhs.op == "call_method" and rhs.target == "t")
-            or (rhs.op == "call_function" and rhs.target is torch.t)
-        )
-        if transposed:
-            return x, rhs.args[0], None
+        if _is_transpose(rhs):
+            return x, rhs.args[0], None, OUT_IN
+        if isinstance(rhs, fx.Node) and rhs.op in ("placeholder", "get_attr"):
+            return x, rhs, None, IN_OUT
+    if node.target is torch.addmm and len(node.args) == 3 and not node.kwargs:
+        bias, x, rhs = node.args
+        if isinstance(rhs, fx.Node) and rhs.op in ("placeholder", "get_attr"):
+            return x, rhs, bias, IN_OUT
     return None
 
 
-def _decide(weight, name, options):
+def _decide(weight, layout, name, ctx):
     """``None`` when eligible, else why not."""
     if weight.op not in ("placeholder", "get_attr"):
         return "weight is computed in the graph, not a parameter"
+    if layout == IN_OUT and not isinstance(ctx.inputs.get(weight.name), torch.nn.Parameter):
+        return "right operand is not a parameter"  # x @ y of two inputs: not a layer's matmul
     value = weight.meta.get("example_value")
     if value is None:
         return "weight is not a 2-D tensor"
-    return ineligible_reason(value, name.rpartition(".")[0], options)
+    if layout == IN_OUT and value.dim() == 2:
+        value = value.t()  # the (out, in) matrix it is used as
+    return ineligible_reason(value, name.rpartition(".")[0], ctx.options)
 
 
 def _bind_delayed_state(gm, weight, name, ctx, bound):
@@ -105,9 +128,9 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
         linear = _as_linear(node)
         if linear is None:
             continue
-        weight = linear[1]
+        weight, layout = linear[1], linear[3]
         name = graph_utils.input_name(weight) if isinstance(weight, fx.Node) else "?"
-        reason = _decide(weight, name, ctx.options) if isinstance(weight, fx.Node) else "weight is not a tensor"
+        reason = _decide(weight, layout, name, ctx) if isinstance(weight, fx.Node) else "weight is not a tensor"
         if reason is None and ctx.options.fp8 == "delayed" and fp8_delayed.state_of(ctx.inputs[weight.name], name) is None:
             fp8_delayed.warn_missing_state(name)
             reason = "no delayed-scaling state (flash_inductor.prepare_fp8 makes it)"
@@ -123,19 +146,21 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
     bound = {}
     for name, _ in eligible:
         node = nodes[name]
-        x, weight, bias = _as_linear(node)
+        x, weight, bias, layout = _as_linear(node)
         kwargs = {"power_of_two": ctx.options.fp8_power_of_two_scales}
         if ctx.options.fp8_fast_accum:
             kwargs["fast_accum"] = True
         if ctx.options.fp8 == "delayed":
             kwargs.update(_bind_delayed_state(gm, weight, graph_utils.input_name(weight), ctx, bound))
         with gm.graph.inserting_before(node):
-            replacement = gm.graph.call_function(fp8_linear, (x, weight, bias), kwargs)
+            # An (in, out) weight is used as its (out, in) transpose, a view: its gradient flows back.
+            as_out_in = weight if layout == OUT_IN else gm.graph.call_method("t", (weight,))
+            replacement = gm.graph.call_function(fp8_linear, (x, as_out_in, bias), kwargs)
         node.replace_all_uses_with(replacement)
-        transposed = node.args[1] if node.args[1] is not weight else None
+        transposed = [a for a in node.args if _is_transpose(a) and a.args[0] is weight]
         gm.graph.erase_node(node)
-        if transposed is not None and not transposed.users:
-            gm.graph.erase_node(transposed)
+        if transposed and not transposed[0].users:
+            gm.graph.erase_node(transposed[0])
     gm.graph.lint()
     gm.recompile()
     return gm, [name for name, _ in eligible]

@@ -269,3 +269,20 @@ def test_one_cycle_lr_changes_lr_and_betas_every_step_without_a_recompile():
     for name, q in stock_model.named_parameters():
         diff = (masters[name] - q.detach()).abs().max().item()
         assert diff <= 1e-5, (name, diff)
+
+
+def test_gradient_release_updates_each_parameter_on_its_slices_of_the_flat_storage():
+    model, opt = _prepared_net(gradient_release=True)
+    record = prepared(opt)
+    assert record.buckets and all(b.optimizer is None and b.step is None for b in record.buckets)
+    weights_before = [b.weights.clone() for b in record.buckets]
+    errors = {p: record.error_term(p) for p in model.parameters() if record.error_term(p) is not None}
+    _train(model, opt, steps=1)
+    for bucket, before in zip(record.buckets, weights_before):
+        assert not torch.equal(bucket.weights, before)  # the updates wrote into the flat buffer
+        for p in bucket.params:
+            assert _inside(p, bucket.weights)
+            if p in errors:
+                assert record.error_term(p) is errors[p] and _inside(errors[p], bucket.errors)
+    steps = [opt.state[p]["step"] for p in model.parameters()]
+    assert len({id(s) for s in steps}) == len(steps) and all(float(s) == 1.0 for s in steps)  # each its own count

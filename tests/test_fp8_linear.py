@@ -142,3 +142,50 @@ def test_small_transformer_trains_with_fp8_and_the_optimizer_rewrite():
     final_fp8, final_bf16 = sum(fp8_losses[-10:]) / 10, sum(bf16_losses[-10:]) / 10
     assert final_bf16 < 0.5 * bf16_losses[0]  # it learned
     assert abs(final_fp8 - final_bf16) <= 0.02 * final_bf16, (final_fp8, final_bf16)
+
+
+class InOut(nn.Module):
+    """Weights stored (in, out), as Hugging Face's Conv1D: ``addmm(b, x, w)``, ``x @ w``, ``mm``."""
+
+    def __init__(self):
+        super().__init__()
+        self.c_attn_weight = nn.Parameter(torch.randn(64, 96) * 0.1)
+        self.c_attn_bias = nn.Parameter(torch.randn(96) * 0.1)
+        self.c_proj = nn.Parameter(torch.randn(64, 48) * 0.1)
+        self.c_fc = nn.Parameter(torch.randn(64, 32) * 0.1)
+        self.odd = nn.Parameter(torch.randn(64, 20) * 0.1)  # 20 is not a multiple of 16
+
+    def forward(self, x):
+        # One matmul per output: the SQNR bars are for one FP8 GEMM (chained ones compound).
+        x2 = x.view(-1, 64)
+        return torch.addmm(self.c_attn_bias, x2, self.c_attn_weight), x @ self.c_proj, torch.mm(x2, self.c_fc), x @ self.odd
+
+
+def test_matmuls_with_in_out_weights_run_in_fp8_like_bf16():
+    """Each (in, out) matmul on a parameter is rewritten to ``fp8_linear`` of the weight's transpose,
+    or reported with the reason it is not; outputs and gradients stay within the FP8 bars."""
+    torch.manual_seed(0)
+    model = InOut().bfloat16()
+    reference = copy.deepcopy(model)
+    options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0)
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    report = flash_inductor.inspect(flash_inductor.compile(model, **options), x)
+    graph = report.graph("model")
+    assert {subject: decision for _, subject, decision in graph.decisions} == {
+        "c_attn_weight": "fp8 e4m3/e5m2", "c_proj": "fp8 e4m3/e5m2", "c_fc": "fp8 e4m3/e5m2",
+        "odd": "bf16: weight 20x64: FP8 GEMMs need both dims to be multiples of 16",
+    }
+    code = "\n".join(line for line in next(s.code for s in graph.stages if s.name == "fp8_linear").splitlines()
+                     if not line.strip().startswith("#"))  # comments quote the model's source
+    assert code.count("flash_inductor_fp8_linear_fp8_linear(") == 3 and "torch.addmm" not in code
+    torch._dynamo.reset()
+    compiled = flash_inductor.compile(model, **options)
+    outs, refs = compiled(x), reference(x)
+    grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+    torch.autograd.backward(refs, grads)
+    for out, ref in zip(outs, refs):
+        assert out.shape == ref.shape and out.dtype == torch.bfloat16
+        assert _sqnr(ref, out) >= 25
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert _sqnr(q.grad, p.grad) >= 20, name
