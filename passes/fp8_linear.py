@@ -5,7 +5,8 @@ Before (Dynamo graph of a model with an ``nn.Linear(4096, 4096)`` named ``fc1``,
 
     linear = torch._C._nn.linear(x, fc1_weight, fc1_bias)
     matmul = x @ head_weight.T                      # also: F.linear, x @ w.t()
-    conv1d = torch.addmm(c_attn_bias, x2, c_attn_weight)   # also: x @ w, matmul(x, w), mm(x, w)
+    conv1d = torch.addmm(c_attn_bias, x2, c_attn_weight)   # also: x @ w, matmul(x, w), mm(x, w),
+                                                    # einsum("...k,kn->...n", x, w) (or "...k,nk->...n")
 
 After::
 
@@ -61,8 +62,8 @@ def _is_transpose(node):
 def _as_linear(node):
     """``(x, weight, bias, layout)`` if ``node`` multiplies by a 2-D right operand, else None:
     ``F.linear``, ``x @ w.T`` / ``matmul(x, w.t())`` (``OUT_IN``), and ``x @ w``, ``matmul``,
-    ``mm``, ``addmm(b, x, w)`` with default alpha and beta (``IN_OUT``). Whether the operand is a
-    parameter is ``_decide``'s question."""
+    ``mm``, ``addmm(b, x, w)`` with default alpha and beta (``IN_OUT``), and einsums of either.
+    Whether the operand is a parameter is ``_decide``'s question."""
     if node.op != "call_function":
         return None
     if node.target in (torch._C._nn.linear, torch.nn.functional.linear):
@@ -78,7 +79,31 @@ def _as_linear(node):
         bias, x, rhs = node.args
         if isinstance(rhs, fx.Node) and rhs.op in ("placeholder", "get_attr"):
             return x, rhs, bias, IN_OUT
+    if node.target in (torch.einsum, torch.functional.einsum) and not node.kwargs:
+        return _einsum_as_linear(node)
     return None
+
+
+def _einsum_as_linear(node):
+    """An einsum that is ``x @ w`` (``"bsk,kn->bsn"``, ``"...k,kn->...n"``) or ``x @ w.T``
+    (``"...k,nk->...n"``) with ``w`` a graph input: ``(x, w, None, layout)``, else None."""
+    equation, *operands = node.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or "->" not in equation or len(operands) != 2:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    if inputs.count(",") != 1:
+        return None
+    a, b = inputs.split(",")
+    x, rhs = operands
+    if len(b) != 2 or not a or a[-1] not in b or not (isinstance(rhs, fx.Node) and rhs.op in ("placeholder", "get_attr")):
+        return None
+    k = a[-1]
+    n = b[1] if b[0] == k else b[0]
+    if k == n or k in a[:-1] or n in a or out != a[:-1] + n:
+        return None
+    return x, rhs, None, IN_OUT if b[0] == k else OUT_IN
 
 
 def _decide(weight, layout, name, ctx):

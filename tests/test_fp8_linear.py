@@ -189,3 +189,31 @@ def test_matmuls_with_in_out_weights_run_in_fp8_like_bf16():
         assert _sqnr(ref, out) >= 25
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert _sqnr(q.grad, p.grad) >= 20, name
+
+
+class Einsums(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w_in_out = nn.Parameter(torch.randn(64, 48) * 0.1)
+        self.w_out_in = nn.Parameter(torch.randn(32, 64) * 0.1)
+        self.w_other = nn.Parameter(torch.randn(64, 64) * 0.1)
+
+    def forward(self, x):
+        return (torch.einsum("bsk,kn->bsn", x, self.w_in_out), torch.einsum("...k,nk->...n", x, self.w_out_in),
+                torch.einsum("bsk,kk->bs", x, self.w_other))  # not a matmul: stays as it is
+
+
+def test_einsums_that_are_matmuls_on_a_parameter_run_in_fp8():
+    torch.manual_seed(0)
+    model = Einsums().bfloat16()
+    reference = copy.deepcopy(model)
+    options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0)
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    report = flash_inductor.inspect(flash_inductor.compile(model, **options), x)
+    decisions = {subject: decision for _, subject, decision in report.graph("model").decisions}
+    assert decisions == {"w_in_out": "fp8 e4m3/e5m2", "w_out_in": "fp8 e4m3/e5m2"}
+    torch._dynamo.reset()
+    outs, refs = flash_inductor.compile(model, **options)(x), reference(x)
+    for out, ref in zip(outs[:2], refs[:2]):
+        assert out.shape == ref.shape and _sqnr(ref, out) >= 25
+    torch.testing.assert_close(outs[2], refs[2])
