@@ -38,8 +38,8 @@ def ineligible_reason(weight, module_name, options):
     if weight.dtype not in _FP8_WEIGHT_DTYPES:
         return f"weight dtype {weight.dtype}"
     n, k = weight.shape
-    if n % 16 or k % 16:
-        return f"weight {n}x{k}: FP8 GEMMs need both dims to be multiples of 16"
+    if padded_shape(n, k) is None:
+        return f"weight {n}x{k}: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)"
     if n * k < options.fp8_min_weight_numel:
         return f"weight {n}x{k} is under fp8_min_weight_numel={options.fp8_min_weight_numel}"
     if any(fnmatch.fnmatchcase(module_name, pattern) for pattern in options.fp8_exclude):
@@ -47,6 +47,19 @@ def ineligible_reason(weight, module_name, options):
     if options.fp8_filter is not None and not options.fp8_filter(module_name):
         return "rejected by fp8_filter"
     return None
+
+
+def padded_shape(n, k):
+    """The weight shape the FP8 GEMMs use for an ``n x k`` weight: both dims rounded up to multiples
+    of 16 (``_scaled_mm``'s requirement) when that adds at most 1% of elements (an lm_head of
+    50257 rows: 15 rows), else None."""
+    pn, pk = -(-n // 16) * 16, -(-k // 16) * 16
+    return (pn, pk) if pn * pk <= 1.01 * n * k else None
+
+
+def _pad_to(t, rows, cols):
+    """``t`` (2-D) with zero rows and columns appended up to ``rows x cols`` (itself when no padding)."""
+    return t if t.shape == (rows, cols) else torch.nn.functional.pad(t, (0, cols - t.shape[1], 0, rows - t.shape[0]))
 
 
 def _quantize(t, dtype, power_of_two, history=None, scales=None, row=None):
@@ -91,9 +104,12 @@ def _output_dtype(x, weight):
 class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, power_of_two, fast_accum, amax_history, scale, grad_amax_history, grad_scale):
-        x2 = x.reshape(-1, x.shape[-1])
-        x_fp8, x_inv = _quantize(x2, fp8.E4M3, power_of_two, amax_history, scale, 0)
-        w_fp8, w_inv = _quantize(weight, fp8.E4M3, power_of_two, amax_history, scale, 1)
+        # Zero padding (padded_shape) changes no amax, no product and no sum; the results are cut back.
+        n, k = weight.shape
+        pn, pk = padded_shape(n, k)
+        x2 = x.reshape(-1, k)
+        x_fp8, x_inv = _quantize(_pad_to(x2, x2.shape[0], pk), fp8.E4M3, power_of_two, amax_history, scale, 0)
+        w_fp8, w_inv = _quantize(_pad_to(weight, pn, pk), fp8.E4M3, power_of_two, amax_history, scale, 1)
         ctx.save_for_backward(x_fp8, x_inv, w_fp8, w_inv)
         # Not saved tensors: the backward writes them, and autograd would refuse saved tensors that
         # a later forward (the next micro-batch) modified in place.
@@ -102,7 +118,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         # Column-major already for an (out, in) weight (no copy); a transposed (in, out) one is copied.
-        out = _scaled_mm(x_fp8, x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)
+        out = _scaled_mm(x_fp8, x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)[:, :n]
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(_output_dtype(x, weight))
@@ -111,9 +127,10 @@ class Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_fp8, x_inv, w_fp8, w_inv = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g_fp8, g_inv = _quantize(g2, fp8.E5M2, ctx.power_of_two, *ctx.grad_state, 0)
-        grad_x = _scaled_mm(g_fp8, g_inv, _col_major(w_fp8), w_inv).reshape(ctx.input_shape)
-        grad_w = _scaled_mm(g_fp8.t().contiguous(), g_inv, _col_major(x_fp8), x_inv)
+        n, k = g2.shape[1], ctx.input_shape[-1]
+        g_fp8, g_inv = _quantize(_pad_to(g2, g2.shape[0], w_fp8.shape[0]), fp8.E5M2, ctx.power_of_two, *ctx.grad_state, 0)
+        grad_x = _scaled_mm(g_fp8, g_inv, _col_major(w_fp8), w_inv)[:, :k].reshape(ctx.input_shape)
+        grad_w = _scaled_mm(g_fp8.t().contiguous(), g_inv, _col_major(x_fp8), x_inv)[:n, :k]
         grad_b = None if ctx.bias_dtype is None else g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return grad_x.to(ctx.input_dtype), grad_w.to(ctx.weight_dtype), grad_b, None, None, None, None, None, None
 

@@ -29,7 +29,8 @@ become inputs of the graph, bound once per weight::
         grad_amax_history=fc1_weight_fp8_grad_amax_history, grad_scale=fc1_weight_fp8_grad_scale)
 
 A linear is eligible when its weight is a graph input (a parameter), both weight dims are
-multiples of 16 (``_scaled_mm``'s requirement), the weight has at least ``fp8_min_weight_numel``
+multiples of 16 (``_scaled_mm``'s requirement) or zero padding to them adds at most 1% (an lm_head
+of 50257 rows; ``fp8_linear.padded_shape``), the weight has at least ``fp8_min_weight_numel``
 elements (smaller GEMMs do not pay for the casts), and its module name passes ``fp8_exclude``
 (fnmatch patterns, e.g. the first and last layers) and ``fp8_filter`` (a callable on the module
 name, like torchao's ``module_filter_fn``); with ``fp8="delayed"`` it must also have delayed-scaling
@@ -45,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from flash_inductor import fp8_delayed, graph_utils
-from flash_inductor.fp8_linear import fp8_linear, ineligible_reason
+from flash_inductor.fp8_linear import fp8_linear, ineligible_reason, padded_shape
 
 OUT_IN = "out_in"  # weight stored (out, in), as nn.Linear's: y = x @ w.T
 IN_OUT = "in_out"  # weight stored (in, out), as Hugging Face's Conv1D: y = x @ w
@@ -120,6 +121,13 @@ def _decide(weight, layout, name, ctx):
     return ineligible_reason(value, name.rpartition(".")[0], ctx.options)
 
 
+def _padding_note(weight, layout):
+    """``", padded to NxK"`` when the GEMMs pad the weight (``fp8_linear.padded_shape``), else ``""``."""
+    n, k = weight.meta["example_value"].shape[::-1] if layout == IN_OUT else weight.meta["example_value"].shape
+    padded = padded_shape(n, k)
+    return "" if padded == (n, k) else f", padded to {padded[0]}x{padded[1]}"
+
+
 def _bind_delayed_state(gm, weight, name, ctx, bound):
     """The keyword arguments of ``fp8_linear`` that pass ``weight``'s delayed-scaling buffers, as
     placeholders added once per weight (``bound``: weight node -> kwargs)."""
@@ -161,6 +169,8 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
             reason = "no delayed-scaling state (flash_inductor.prepare_fp8 makes it)"
         if ctx.recorder:
             fp8_decision = "fp8 e4m3/e5m2" + (", delayed scaling" if ctx.options.fp8 == "delayed" else "")
+            if reason is None:
+                fp8_decision += _padding_note(weight, layout)
             ctx.recorder.decision("fp8_linear", name, fp8_decision if reason is None else f"bf16: {reason}")
         if reason is None:
             eligible.append((node.name, linear))

@@ -295,7 +295,7 @@ def test_inspection_shows_each_decision_and_unprepared_layers_warn(fresh_dynamo)
     assert decisions == {
         "fc.weight": "fp8 e4m3/e5m2, delayed scaling",
         "small.weight": "bf16: weight 16x32 is under fp8_min_weight_numel=1024",
-        "odd.weight": "bf16: weight 20x32: FP8 GEMMs need both dims to be multiples of 16",
+        "odd.weight": "bf16: weight 20x32: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)",
         "proj": "bf16: no delayed-scaling state (flash_inductor.prepare_fp8 makes it)",
     }
     assert "fp8_linear: fc.weight: fp8 e4m3/e5m2, delayed scaling" in report.summary()

@@ -40,7 +40,7 @@ def test_eligible_linears_are_rewritten_and_every_decision_is_reported():
         "first.weight": "bf16: excluded by fp8_exclude ['first']",
         "body.0.weight": "fp8 e4m3/e5m2",
         "body.2.weight": "bf16: rejected by fp8_filter",
-        "odd.weight": "bf16: weight 20x64: FP8 GEMMs need both dims to be multiples of 16",
+        "odd.weight": "bf16: weight 20x64: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)",
         "proj": "fp8 e4m3/e5m2",
     }
     code = next(s.code for s in graph.stages if s.name == "fp8_linear")
@@ -173,7 +173,7 @@ def test_matmuls_with_in_out_weights_run_in_fp8_like_bf16():
     graph = report.graph("model")
     assert {subject: decision for _, subject, decision in graph.decisions} == {
         "c_attn_weight": "fp8 e4m3/e5m2", "c_proj": "fp8 e4m3/e5m2", "c_fc": "fp8 e4m3/e5m2",
-        "odd": "bf16: weight 20x64: FP8 GEMMs need both dims to be multiples of 16",
+        "odd": "bf16: weight 20x64: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)",
     }
     code = "\n".join(line for line in next(s.code for s in graph.stages if s.name == "fp8_linear").splitlines()
                      if not line.strip().startswith("#"))  # comments quote the model's source
@@ -217,3 +217,33 @@ def test_einsums_that_are_matmuls_on_a_parameter_run_in_fp8():
     for out, ref in zip(outs[:2], refs[:2]):
         assert out.shape == ref.shape and _sqnr(ref, out) >= 25
     torch.testing.assert_close(outs[2], refs[2])
+
+
+@pytest.mark.parametrize("features", [(64, 1000), (1000, 64)], ids=["out-dim-1000", "in-dim-1000"])
+def test_dims_off_16_are_zero_padded_where_that_adds_at_most_1_percent(features):
+    """1000 = 62.5 x 16: the GEMMs run on the weight padded to 1008 (0.8% more), the results are cut
+    back; output and gradients stay within the FP8 bars. GPT-2's lm_head (50257 x 768) pads by 15
+    rows; 20 x 64 would add 60% and stays bf16 (test_eligible_linears_...)."""
+    assert fp8_linear.padded_shape(50257, 768) == (50272, 768) and fp8_linear.padded_shape(20, 64) is None
+    torch.manual_seed(0)
+    layer = nn.Linear(*features).bfloat16()
+    reference = copy.deepcopy(layer)
+    options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0)
+    x = torch.randn(2, 16, features[0], dtype=torch.bfloat16, requires_grad=True)
+    report = flash_inductor.inspect(flash_inductor.compile(layer, **options), x)
+    ((_, _, decision),) = report.graph("model").decisions
+    n, k = features[1], features[0]
+    assert decision == f"fp8 e4m3/e5m2, padded to {-(-n // 16) * 16}x{-(-k // 16) * 16}"
+    torch._dynamo.reset()
+    layer.zero_grad()
+    x.grad = None
+    x_ref = x.detach().clone().requires_grad_()
+    grad_out = torch.randn(2, 16, n, dtype=torch.bfloat16)
+    out = flash_inductor.compile(layer, **options)(x)
+    out.backward(grad_out)
+    out_ref = reference(x_ref)
+    out_ref.backward(grad_out)
+    assert out.shape == out_ref.shape and x.grad.shape == x_ref.grad.shape
+    assert _sqnr(out_ref, out) >= 25
+    assert _sqnr(x_ref.grad, x.grad) >= 20 and _sqnr(reference.weight.grad, layer.weight.grad) >= 20
+    torch.testing.assert_close(layer.bias.grad, reference.bias.grad, rtol=1e-2, atol=1e-2)
