@@ -389,7 +389,7 @@ def collect_gradients(record):
 
 
 def step_buckets(optimizers):
-    """The stock step of each bucket optimizer: what Dynamo compiles (or traces inline).
+    """The stock step of each bucket optimizer: what Dynamo compiles (flash_inductor/steps.py).
 
     The class's own update, without the wrappers ``torch.optim`` puts around ``step`` (hooks,
     profiling, grad mode): a bucket optimizer has no hooks, and the wrappers end in graph breaks

@@ -19,17 +19,21 @@ from flash_inductor.optimizer_record import prepared
 def route_step_through_buckets(optimizer, compile_options):
     """Replace ``optimizer.step`` (a bound method, so LR schedulers can wrap it) by the flat step:
     the gradients collected into the buckets, then the stock step of every bucket optimizer with a
-    gradient, through the ``flashoptim`` backend (traced inline when already compiling). And
-    ``zero_grad(set_to_none=True)`` frees the flat gradient buffers."""
+    gradient, through the ``flashoptim`` backend. And ``zero_grad(set_to_none=True)`` frees the
+    flat gradient buffers.
+
+    Inside a compiled function (a train step) too, the step runs this way, as its own graph (torch
+    breaks the graph around every optimizer step anyway): traced inline it would miss
+    ``run_compiled_step``'s Dynamo settings, and a float hyperparameter seen with another value at
+    the same place (a second model's bucket optimizers) became a dynamic float, read with
+    ``.item()``, which the passes cannot rewrite."""
     compiled = compile_with_backend(flat.step_buckets, **compile_options)
     original_zero_grad = optimizer.zero_grad
 
+    @torch.compiler.disable
     def step(self, closure=None):
         record = prepared(self)
         loss = evaluate_closure(closure)
-        if torch.compiler.is_compiling():
-            flat.step_buckets(flat.collect_gradients(record))
-            return loss
         stepping = flat.collect_gradients(record)  # checks each gradient it has to copy in
         if record.check_numerics:
             for group in self.param_groups:
@@ -52,14 +56,11 @@ def route_step_through_buckets(optimizer, compile_options):
 
 def route_step_per_parameter(optimizer, compile_options):
     """Replace ``optimizer.step`` by the stock step over its parameters (unrolled per parameter),
-    through the ``flashoptim`` backend, or traced inline when already compiling. The step of the
-    local optimizer of FSDP2 shards, whose local tensors FSDP2 owns and may replace."""
-    original = optimizer.step
-    compiled = compile_with_backend(original, **compile_options)
+    through the ``flashoptim`` backend. The step of the local optimizer of FSDP2 shards, whose
+    local tensors FSDP2 owns and may replace; called from ``sharded_step``'s step, never traced."""
+    compiled = compile_with_backend(optimizer.step, **compile_options)
 
     def step(self, closure=None):
-        if torch.compiler.is_compiling():
-            return original(closure)
         loss = evaluate_closure(closure)
         checks.check_before_step(self)
         module_hooks.forget_loaded_error_terms(prepared(self).params())

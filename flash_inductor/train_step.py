@@ -19,15 +19,15 @@ def train_step(fn=None, *, model, optimizer, **options):
     ``options`` (``master_weight_bits``, ``state_bits``, ...); the rest are backend options.
     With ``fp8="delayed"``, ``model`` gets its delayed-scaling state (``prepare_fp8``).
     Dynamo captures the forward (AOTAutograd derives the backward) and the optimizer step as one
-    graph each: the prepared ``step`` is traced inline, between the graph breaks torch places
-    around every optimizer step. With ``gradient_release=True`` the updates run in backward hooks
-    instead, each parameter's step compiled with the same backend options.
+    graph each: the prepared ``step`` graph-breaks and runs its own compiled flat step
+    (flash_inductor/steps.py), with the same backend options. With ``gradient_release=True`` the
+    updates run in backward hooks instead, each parameter's step compiled with them too.
     """
     prepare_args = {k: options.pop(k) for k in _PREPARE_ARGS if k in options}
     if fn is None:
         return functools.partial(train_step, model=model, optimizer=optimizer, **prepare_args, **options)
     if optimizer not in roles.PREPARED:
-        # The step runs with these options too where it is not traced inline (gradient release).
+        # The optimizer's own compiled step (and gradient release's) runs with these options too.
         prepare(model, optimizer, compile_options=options, **prepare_args)
     elif prepare_args:
         raise ValueError(f"train_step: optimizer is already prepared; drop {sorted(prepare_args)}")

@@ -286,3 +286,30 @@ def test_gradient_release_updates_each_parameter_on_its_slices_of_the_flat_stora
                 assert record.error_term(p) is errors[p] and _inside(errors[p], bucket.errors)
     steps = [opt.state[p]["step"] for p in model.parameters()]
     assert len({id(s) for s in steps}) == len(steps) and all(float(s) == 1.0 for s in steps)  # each its own count
+
+
+def test_train_steps_of_two_models_with_one_cycle_lr_in_one_process():
+    """Found trying Hugging Face GPT-2: inside a compiled train step, the second model's bucket
+    optimizers (float betas where the first model's had been tensors) made Dynamo read betas as a
+    dynamic float, which the passes could not rewrite; the step now runs its own compiled step
+    under run_compiled_step's settings, inside a train step too."""
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=6)
+
+        @flash_inductor.train_step(model=model, optimizer=opt, **EAGER)
+        def step(x):
+            loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        before = model[0].weight.detach().clone()
+        for _ in range(3):
+            step(torch.randn(4, 64, dtype=torch.bfloat16))
+            schedule.step()
+        assert not torch.equal(model[0].weight, before)
+        assert all(float(opt.state[p]["step"]) == 3.0 for p in model.parameters())
