@@ -1,0 +1,63 @@
+"""Hugging Face models as clients, built from a config (random init, no download), trained through
+``@flash_inductor.train_step``: GPT-2 (``Conv1D`` projections: ``addmm`` on (in, out) weights, a
+tied lm_head of a vocabulary that is not a multiple of 16) and Llama. Skipped without
+``transformers`` (``pip install -e ".[clients]"``)."""
+
+import pytest
+import torch
+
+import flash_inductor
+from flash_inductor.optimizer_record import prepared
+from helpers import EAGER
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+def _train(model, steps, **options):
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
+
+    @flash_inductor.train_step(model=model, optimizer=opt, **EAGER, **options)
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        losses.append(float(step(ids)))
+        schedule.step()
+    return opt, step, ids, losses
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_gpt2_trains_and_every_projection_runs_in_fp8():
+    model = _gpt2()
+    opt, step, ids, losses = _train(model, 4, fp8="tensorwise", fp8_min_weight_numel=0)
+    assert losses[-1] < losses[0]
+    report = flash_inductor.inspect(step, ids)
+    decisions = {subject: decision for g in report.graphs for _, subject, decision in g.decisions}
+    projections = [n for n, _ in model.named_parameters() if n.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))]
+    assert len(projections) == 8 and all(decisions[n] == "fp8 e4m3/e5m2" for n in projections)
+    assert decisions["transformer.wte.weight"] == "fp8 e4m3/e5m2, padded to 1008x64"  # the tied lm_head
+    assert flash_inductor.memory_report(model, opt).total_per_param < 7.25
+
+
+def test_llama_trains_with_flat_buckets():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=1000, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    opt, _, _, losses = _train(model, 4)
+    assert losses[-1] < losses[0]
+    buckets = prepared(opt).buckets
+    assert sum(len(b.params) for b in buckets) == len(list(model.parameters()))
