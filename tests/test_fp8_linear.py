@@ -144,6 +144,18 @@ def test_small_transformer_trains_with_fp8_and_the_optimizer_rewrite():
     assert abs(final_fp8 - final_bf16) <= 0.02 * final_bf16, (final_fp8, final_bf16)
 
 
+# FP8 for every eligible matmul whatever its size, the passes run without kernels.
+FP8_ALL = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0)
+
+
+def _inspected_fp8(model, x):
+    """The model graph's inspection record under ``FP8_ALL`` and its decisions by subject; Dynamo
+    is reset afterwards, so the model compiles again."""
+    graph = flash_inductor.inspect(flash_inductor.compile(model, **FP8_ALL), x).graph("model")
+    torch._dynamo.reset()
+    return graph, {subject: decision for _, subject, decision in graph.decisions}
+
+
 class InOut(nn.Module):
     """Weights stored (in, out), as Hugging Face's Conv1D: ``addmm(b, x, w)``, ``x @ w``, ``mm``."""
 
@@ -167,19 +179,16 @@ def test_matmuls_with_in_out_weights_run_in_fp8_like_bf16():
     torch.manual_seed(0)
     model = InOut().bfloat16()
     reference = copy.deepcopy(model)
-    options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0)
     x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
-    report = flash_inductor.inspect(flash_inductor.compile(model, **options), x)
-    graph = report.graph("model")
-    assert {subject: decision for _, subject, decision in graph.decisions} == {
+    graph, decisions = _inspected_fp8(model, x)
+    assert decisions == {
         "c_attn_weight": "fp8 e4m3/e5m2", "c_proj": "fp8 e4m3/e5m2", "c_fc": "fp8 e4m3/e5m2",
         "odd": "bf16: weight 20x64: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)",
     }
     code = "\n".join(line for line in next(s.code for s in graph.stages if s.name == "fp8_linear").splitlines()
                      if not line.strip().startswith("#"))  # comments quote the model's source
     assert code.count("flash_inductor_fp8_linear_fp8_linear(") == 3 and "torch.addmm" not in code
-    torch._dynamo.reset()
-    compiled = flash_inductor.compile(model, **options)
+    compiled = flash_inductor.compile(model, **FP8_ALL)
     outs, refs = compiled(x), reference(x)
     grads = [torch.randn_like(o) for o in outs]
     torch.autograd.backward(outs, grads)
@@ -207,13 +216,10 @@ def test_einsums_that_are_matmuls_on_a_parameter_run_in_fp8():
     torch.manual_seed(0)
     model = Einsums().bfloat16()
     reference = copy.deepcopy(model)
-    options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0)
     x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
-    report = flash_inductor.inspect(flash_inductor.compile(model, **options), x)
-    decisions = {subject: decision for _, subject, decision in report.graph("model").decisions}
+    _, decisions = _inspected_fp8(model, x)
     assert decisions == {"w_in_out": "fp8 e4m3/e5m2", "w_out_in": "fp8 e4m3/e5m2"}
-    torch._dynamo.reset()
-    outs, refs = flash_inductor.compile(model, **options)(x), reference(x)
+    outs, refs = flash_inductor.compile(model, **FP8_ALL)(x), reference(x)
     for out, ref in zip(outs[:2], refs[:2]):
         assert out.shape == ref.shape and _sqnr(ref, out) >= 25
     torch.testing.assert_close(outs[2], refs[2])
@@ -228,18 +234,15 @@ def test_dims_off_16_are_zero_padded_where_that_adds_at_most_1_percent(features)
     torch.manual_seed(0)
     layer = nn.Linear(*features).bfloat16()
     reference = copy.deepcopy(layer)
-    options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0)
     x = torch.randn(2, 16, features[0], dtype=torch.bfloat16, requires_grad=True)
-    report = flash_inductor.inspect(flash_inductor.compile(layer, **options), x)
-    ((_, _, decision),) = report.graph("model").decisions
+    _, decisions = _inspected_fp8(layer, x)
     n, k = features[1], features[0]
-    assert decision == f"fp8 e4m3/e5m2, padded to {-(-n // 16) * 16}x{-(-k // 16) * 16}"
-    torch._dynamo.reset()
+    assert decisions == {"weight": f"fp8 e4m3/e5m2, padded to {-(-n // 16) * 16}x{-(-k // 16) * 16}"}
     layer.zero_grad()
     x.grad = None
     x_ref = x.detach().clone().requires_grad_()
     grad_out = torch.randn(2, 16, n, dtype=torch.bfloat16)
-    out = flash_inductor.compile(layer, **options)(x)
+    out = flash_inductor.compile(layer, **FP8_ALL)(x)
     out.backward(grad_out)
     out_ref = reference(x_ref)
     out_ref.backward(grad_out)
