@@ -9,6 +9,7 @@
 - Backend options are validated with the valid names in the message.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -17,7 +18,7 @@ import torch.nn as nn
 from torch._dynamo.exc import BackendCompilerFailed
 
 import flash_inductor
-from flash_inductor import roles
+from flash_inductor import passes, roles
 from helpers import EAGER, Net, assert_unchanged, snapshot
 
 pytestmark = [
@@ -304,11 +305,11 @@ def test_many_prepared_optimizers_all_update_their_error_terms():
         assert not torch.equal(before, error), f"optimizer {i}: error term not updated"
 
 
-def test_a_step_the_passes_cannot_rewrite_fails_loudly_instead_of_compiling_without_them():
-    """A whole train step compiled by the user, with weight decay changed between steps: Dynamo
-    turns the changed float into a graph input read with ``.item()``, which the storage passes
-    cannot rewrite. Compiling that graph without them would update the stored codes as values,
-    so it must raise and say what to do; with ``specialize_float`` the step recompiles and trains."""
+def test_a_changed_weight_decay_inside_a_compiled_train_step_recompiles_the_step():
+    """A whole train step compiled by the user, with weight decay changed between steps: the
+    prepared step runs its own compiled step (under ``specialize_float``), so the change recompiles
+    it and takes effect. (Traced inline, Dynamo made the changed float a graph input read with
+    ``.item()``, which the storage passes cannot rewrite.)"""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -324,12 +325,31 @@ def test_a_step_the_passes_cannot_rewrite_fails_loudly_instead_of_compiling_with
     step(x)
     opt.param_groups[0]["weight_decay"] = 0.05
     before = snapshot(model, opt)
-    with pytest.raises(BackendCompilerFailed, match=r"(?s)could not rewrite.*specialize_float=True"):
-        step(x)
-    assert_unchanged(before, snapshot(model, opt))
-    with torch._dynamo.config.patch(specialize_float=True):
-        step(x)
+    step(x)
     assert not torch.equal(before["fc1.weight"], model.fc1.weight)
+    buckets = roles.PREPARED[opt].buckets
+    assert all(b.optimizer.param_groups[0]["weight_decay"] == 0.05 for b in buckets)
+
+
+def test_a_step_the_passes_cannot_rewrite_fails_loudly_instead_of_compiling_without_them(monkeypatch):
+    """A pass that the stored format needs and that fails on a graph with prepared tensors stops
+    the compile (compiling without it would update the stored codes as values), naming the pass;
+    nothing is written."""
+    def broken(gm, ctx):
+        raise RuntimeError("cannot rewrite this graph")
+
+    monkeypatch.setattr(passes, "TORCH_PASSES", tuple(
+        p if p.name != "companded_states" else dataclasses.replace(p, fn=broken) for p in passes.TORCH_PASSES))
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    flash_inductor.prepare(model, opt, compile_options=EAGER)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    before = snapshot(model, opt)
+    with pytest.raises(BackendCompilerFailed, match=r"(?s)pass 'companded_states' could not rewrite.*cannot rewrite this graph"):
+        opt.step()
+    assert_unchanged(before, snapshot(model, opt))
 
 # ---------------------------------------------------------------------------- backend options
 
