@@ -47,6 +47,7 @@ def _name(record, param):
 def _state_dict_post_hook(optimizer, state_dict):
     record = roles.PREPARED[optimizer]
     params = _params_by_index(optimizer)
+    groups = _groups_by_index(optimizer)
     state = {}
     for index, param in enumerate(params):
         if index not in state_dict["state"] and record.error_term(param) is None:
@@ -64,7 +65,7 @@ def _state_dict_post_hook(optimizer, state_dict):
                 entries[key] = sharded.like(value, stored.decode().clone())
             elif key == "step" and record.buckets:
                 # A view of the bucket's count: saved as the tensor ``prepare`` gives a stock-like group.
-                entries[key] = value.detach().to(_step_device(optimizer, param), copy=True)
+                entries[key] = value.detach().to(_step_device(groups[index], param), copy=True)
         error = record.error_term(param)
         if error is not None:
             entries[ERROR_TERM_KEY] = error.clone()
@@ -77,8 +78,7 @@ def _state_dict_post_hook(optimizer, state_dict):
     return {"state": state, "param_groups": groups}
 
 
-def _step_device(optimizer, param):
-    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+def _step_device(group, param):
     return param.device if group.get("capturable") or group.get("fused") else "cpu"
 
 

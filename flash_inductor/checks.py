@@ -17,6 +17,11 @@ def check_before_step(optimizer):
     for group in optimizer.param_groups:
         for p in group["params"]:
             check_grad(record, p)
+    check_numerics(record, optimizer)
+
+
+def check_numerics(record, optimizer):
+    """With ``prepare(..., check_numerics=True)``: every group's lr must move its weights."""
     if record.check_numerics:
         for group in optimizer.param_groups:
             check_lr_moves_weights(record, group)

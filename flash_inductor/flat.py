@@ -108,6 +108,7 @@ class Bucket:
         self._active_flags = [True] * len(params)
         self._tensor_hyperparameters = {}  # key -> the fp32 tensors the bucket optimizer's group holds
         self._first_hyperparameters = {}  # key -> its value at the first step
+        self.optimizer = None  # the bucket optimizer, made once the storage is in place
         for p in params:
             self.adopt(optimizer, record, p)
         self.adopt_steps(optimizer)
@@ -170,7 +171,7 @@ class Bucket:
         if self.step is not None:
             self.step = self.step.expand(self.num_groups, 1).clone()
             self._point_steps(optimizer)
-        if hasattr(self, "optimizer"):
+        if self.optimizer is not None:
             self.optimizer = _bucket_optimizer(optimizer, roles.PREPARED[optimizer], self)
 
     def state_view(self, key, p):
@@ -319,7 +320,7 @@ def _bucket_optimizer(optimizer, record, bucket):
     flat.grad = bucket.grads.view(bucket.num_groups, GROUP)
     group = {k: v for k, v in optimizer.param_groups[bucket.group_index].items() if k != "params"}
     group.update((k, v) for k, v in _BUCKET_SETTINGS.items() if k in group)
-    state = {key: value for key, value in bucket.states.items()}
+    state = dict(bucket.states)
     if bucket.step is not None:
         state["step"] = bucket.step
     proxy = type(optimizer).__new__(type(optimizer))

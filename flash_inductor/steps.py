@@ -35,9 +35,7 @@ def route_step_through_buckets(optimizer, compile_options):
         record = prepared(self)
         loss = evaluate_closure(closure)
         stepping = flat.collect_gradients(record)  # checks each gradient it has to copy in
-        if record.check_numerics:
-            for group in self.param_groups:
-                checks.check_lr_moves_weights(record, group)
+        checks.check_numerics(record, self)
         module_hooks.forget_loaded_error_terms(record.params())
         if stepping:
             run_compiled_step(compiled, self, stepping)

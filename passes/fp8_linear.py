@@ -113,17 +113,22 @@ def _decide(weight, layout, name, ctx):
         return "weight is computed in the graph, not a parameter"
     if layout == IN_OUT and not isinstance(ctx.inputs.get(weight.name), torch.nn.Parameter):
         return "right operand is not a parameter"  # x @ y of two inputs: not a layer's matmul
-    value = weight.meta.get("example_value")
+    value = _used_as(weight, layout)
     if value is None:
         return "weight is not a 2-D tensor"
-    if layout == IN_OUT and value.dim() == 2:
-        value = value.t()  # the (out, in) matrix it is used as
     return ineligible_reason(value, name.rpartition(".")[0], ctx.options)
+
+
+def _used_as(weight, layout):
+    """The (out, in) matrix ``weight`` is multiplied as (its example value; transposed for
+    ``IN_OUT``), or None without one."""
+    value = weight.meta.get("example_value")
+    return value.t() if value is not None and layout == IN_OUT and value.dim() == 2 else value
 
 
 def _padding_note(weight, layout):
     """``", padded to NxK"`` when the GEMMs pad the weight (``fp8_linear.padded_shape``), else ``""``."""
-    n, k = weight.meta["example_value"].shape[::-1] if layout == IN_OUT else weight.meta["example_value"].shape
+    n, k = _used_as(weight, layout).shape
     padded = padded_shape(n, k)
     return "" if padded == (n, k) else f", padded to {padded[0]}x{padded[1]}"
 
