@@ -34,26 +34,26 @@ class TestGoldenGraphs(expecttest.TestCase):
             rewritten_code(lambda ps: SGDW(ps, lr=0.1, momentum=0.9, weight_decay=0.01), "split_weights"),
             """\
 class GraphModule(torch.nn.Module):
-    def forward(self, L_stack1_0_param_groups_0_lr_: "f32[]cpu", L_stack1_0_param_groups_0_params_0_grad: "bf16[1, 32]cpu", L_stack1_0_state_list_dict_keys_L_stack1_0_state_0_momentum_buffer_: "CompandedState(bf16[1, 32]cpu)", active_groups_0: "b8[1, 1]cpu", group0_bfloat16_8bit_error: "i8[1, 32]cpu"):
-        l_stack1_0_param_groups_0_lr_ = L_stack1_0_param_groups_0_lr_
-        l_stack1_0_param_groups_0_params_0_grad = L_stack1_0_param_groups_0_params_0_grad
-        l_stack1_0_state_list_dict_keys_l_stack1_0_state_0_momentum_buffer_ = L_stack1_0_state_list_dict_keys_L_stack1_0_state_0_momentum_buffer_
+    def forward(self, L_optimizers_0_param_groups_0_lr_: "f32[]cpu", L_optimizers_0_param_groups_0_params_0_grad: "bf16[1, 32]cpu", L_optimizers_0_state_list_dict_keys_L_optimizers_0_state_0_momentum_buffer_: "CompandedState(bf16[1, 32]cpu)", active_groups_0: "b8[1, 1]cpu", group0_bfloat16_8bit_error: "i8[1, 32]cpu"):
+        l_optimizers_0_param_groups_0_lr_ = L_optimizers_0_param_groups_0_lr_
+        l_optimizers_0_param_groups_0_params_0_grad = L_optimizers_0_param_groups_0_params_0_grad
+        l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_momentum_buffer_ = L_optimizers_0_state_list_dict_keys_L_optimizers_0_state_0_momentum_buffer_
         _set_grad_enabled = torch._C._set_grad_enabled(False);  _set_grad_enabled = None
-        p: "bf16[1, 32]cpu" = self.sub___stack1___0_param_groups_0__params___0
-        mul: "f32[]cpu" = l_stack1_0_param_groups_0_lr_ * 0.01
+        p: "bf16[1, 32]cpu" = self.optimizers___0_param_groups_0__params___0
+        mul: "f32[]cpu" = l_optimizers_0_param_groups_0_lr_ * 0.01
         sub: "f32[]cpu" = 1 - mul;  mul = None
         group0_bfloat16_8bit_master: "f32[1, 32]cpu" = flash_inductor_formats_split_weights_decode(p, group0_bfloat16_8bit_error)
         group0_bfloat16_8bit_before: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.clone()
         mul_: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.mul_(sub);  sub = mul_ = None
-        group0_bfloat16_8bit_momentum_buffer_fp32: "f32[1, 32]cpu" = flash_inductor_formats_state_tensor_decode(l_stack1_0_state_list_dict_keys_l_stack1_0_state_0_momentum_buffer_, shape = (1, 32))
+        group0_bfloat16_8bit_momentum_buffer_fp32: "f32[1, 32]cpu" = flash_inductor_formats_state_tensor_decode(l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_momentum_buffer_, shape = (1, 32))
         group0_bfloat16_8bit_momentum_buffer_before: "f32[1, 32]cpu" = group0_bfloat16_8bit_momentum_buffer_fp32.clone()
         mul__1: "f32[1, 32]cpu" = group0_bfloat16_8bit_momentum_buffer_fp32.mul_(0.9)
-        group0_bfloat16_8bit_grad_fp32: "f32[1, 32]cpu" = flash_inductor_passes_companded_states_to_fp32(l_stack1_0_param_groups_0_params_0_grad);  l_stack1_0_param_groups_0_params_0_grad = None
+        group0_bfloat16_8bit_grad_fp32: "f32[1, 32]cpu" = flash_inductor_passes_companded_states_to_fp32(l_optimizers_0_param_groups_0_params_0_grad);  l_optimizers_0_param_groups_0_params_0_grad = None
         add_: "f32[1, 32]cpu" = mul__1.add_(group0_bfloat16_8bit_grad_fp32, alpha = 1.0);  mul__1 = group0_bfloat16_8bit_grad_fp32 = add_ = None
-        mul_1: "f32[1, 32]cpu" = group0_bfloat16_8bit_momentum_buffer_fp32 * l_stack1_0_param_groups_0_lr_;  l_stack1_0_param_groups_0_lr_ = None
+        mul_1: "f32[1, 32]cpu" = group0_bfloat16_8bit_momentum_buffer_fp32 * l_optimizers_0_param_groups_0_lr_;  l_optimizers_0_param_groups_0_lr_ = None
         where: "f32[1, 32]cpu" = torch.where(active_groups_0, group0_bfloat16_8bit_momentum_buffer_fp32, group0_bfloat16_8bit_momentum_buffer_before);  group0_bfloat16_8bit_momentum_buffer_before = None
         copy_: "f32[1, 32]cpu" = group0_bfloat16_8bit_momentum_buffer_fp32.copy_(where);  where = copy_ = None
-        store = flash_inductor_formats_state_tensor_store(l_stack1_0_state_list_dict_keys_l_stack1_0_state_0_momentum_buffer_, group0_bfloat16_8bit_momentum_buffer_fp32);  l_stack1_0_state_list_dict_keys_l_stack1_0_state_0_momentum_buffer_ = group0_bfloat16_8bit_momentum_buffer_fp32 = store = None
+        store = flash_inductor_formats_state_tensor_store(l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_momentum_buffer_, group0_bfloat16_8bit_momentum_buffer_fp32);  l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_momentum_buffer_ = group0_bfloat16_8bit_momentum_buffer_fp32 = store = None
         sub_: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.sub_(mul_1);  mul_1 = sub_ = None
         where_1: "f32[1, 32]cpu" = torch.where(active_groups_0, group0_bfloat16_8bit_master, group0_bfloat16_8bit_before);  active_groups_0 = group0_bfloat16_8bit_before = None
         copy__1: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.copy_(where_1);  where_1 = copy__1 = None
@@ -67,24 +67,24 @@ class GraphModule(torch.nn.Module):
             rewritten_code(lambda ps: Lion(ps, lr=1e-4, weight_decay=0.1), "split_weights"),
             """\
 class GraphModule(torch.nn.Module):
-    def forward(self, L_stack1_0_param_groups_0_lr_: "f32[]cpu", L_stack1_0_param_groups_0_params_0_grad: "bf16[1, 32]cpu", L_stack1_0_state_list_dict_keys_L_stack1_0_state_0_exp_avg_: "CompandedState(bf16[1, 32]cpu)", active_groups_0: "b8[1, 1]cpu", group0_bfloat16_8bit_error: "i8[1, 32]cpu"):
-        l_stack1_0_param_groups_0_lr_ = L_stack1_0_param_groups_0_lr_
-        l_stack1_0_param_groups_0_params_0_grad = L_stack1_0_param_groups_0_params_0_grad
-        l_stack1_0_state_list_dict_keys_l_stack1_0_state_0_exp_avg_ = L_stack1_0_state_list_dict_keys_L_stack1_0_state_0_exp_avg_
+    def forward(self, L_optimizers_0_param_groups_0_lr_: "f32[]cpu", L_optimizers_0_param_groups_0_params_0_grad: "bf16[1, 32]cpu", L_optimizers_0_state_list_dict_keys_L_optimizers_0_state_0_exp_avg_: "CompandedState(bf16[1, 32]cpu)", active_groups_0: "b8[1, 1]cpu", group0_bfloat16_8bit_error: "i8[1, 32]cpu"):
+        l_optimizers_0_param_groups_0_lr_ = L_optimizers_0_param_groups_0_lr_
+        l_optimizers_0_param_groups_0_params_0_grad = L_optimizers_0_param_groups_0_params_0_grad
+        l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_exp_avg_ = L_optimizers_0_state_list_dict_keys_L_optimizers_0_state_0_exp_avg_
         _set_grad_enabled = torch._C._set_grad_enabled(False);  _set_grad_enabled = None
-        p: "bf16[1, 32]cpu" = self.sub___stack1___0_param_groups_0__params___0
-        mul: "f32[]cpu" = l_stack1_0_param_groups_0_lr_ * 0.1
+        p: "bf16[1, 32]cpu" = self.optimizers___0_param_groups_0__params___0
+        mul: "f32[]cpu" = l_optimizers_0_param_groups_0_lr_ * 0.1
         sub: "f32[]cpu" = 1 - mul;  mul = None
         group0_bfloat16_8bit_master: "f32[1, 32]cpu" = flash_inductor_formats_split_weights_decode(p, group0_bfloat16_8bit_error)
         group0_bfloat16_8bit_before: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.clone()
         mul_: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.mul_(sub);  sub = mul_ = None
-        group0_bfloat16_8bit_exp_avg_fp32: "f32[1, 32]cpu" = flash_inductor_formats_state_tensor_decode(l_stack1_0_state_list_dict_keys_l_stack1_0_state_0_exp_avg_, shape = (1, 32))
+        group0_bfloat16_8bit_exp_avg_fp32: "f32[1, 32]cpu" = flash_inductor_formats_state_tensor_decode(l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_exp_avg_, shape = (1, 32))
         group0_bfloat16_8bit_exp_avg_before: "f32[1, 32]cpu" = group0_bfloat16_8bit_exp_avg_fp32.clone()
         mul_1: "f32[1, 32]cpu" = group0_bfloat16_8bit_exp_avg_fp32.mul(0.9)
-        group0_bfloat16_8bit_grad_fp32: "f32[1, 32]cpu" = flash_inductor_passes_companded_states_to_fp32(l_stack1_0_param_groups_0_params_0_grad);  l_stack1_0_param_groups_0_params_0_grad = None
+        group0_bfloat16_8bit_grad_fp32: "f32[1, 32]cpu" = flash_inductor_passes_companded_states_to_fp32(l_optimizers_0_param_groups_0_params_0_grad);  l_optimizers_0_param_groups_0_params_0_grad = None
         add_: "f32[1, 32]cpu" = mul_1.add_(group0_bfloat16_8bit_grad_fp32, alpha = 0.09999999999999998);  mul_1 = None
         update: "f32[1, 32]cpu" = add_.sign_();  add_ = None
-        mul_2: "f32[1, 32]cpu" = update * l_stack1_0_param_groups_0_lr_;  update = l_stack1_0_param_groups_0_lr_ = None
+        mul_2: "f32[1, 32]cpu" = update * l_optimizers_0_param_groups_0_lr_;  update = l_optimizers_0_param_groups_0_lr_ = None
         sub_: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.sub_(mul_2);  mul_2 = sub_ = None
         where_1: "f32[1, 32]cpu" = torch.where(active_groups_0, group0_bfloat16_8bit_master, group0_bfloat16_8bit_before);  group0_bfloat16_8bit_before = None
         copy__1: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.copy_(where_1);  where_1 = copy__1 = None
@@ -92,7 +92,7 @@ class GraphModule(torch.nn.Module):
         lerp_: "f32[1, 32]cpu" = group0_bfloat16_8bit_exp_avg_fp32.lerp_(group0_bfloat16_8bit_grad_fp32, 0.010000000000000009);  group0_bfloat16_8bit_grad_fp32 = lerp_ = None
         where: "f32[1, 32]cpu" = torch.where(active_groups_0, group0_bfloat16_8bit_exp_avg_fp32, group0_bfloat16_8bit_exp_avg_before);  active_groups_0 = group0_bfloat16_8bit_exp_avg_before = None
         copy_: "f32[1, 32]cpu" = group0_bfloat16_8bit_exp_avg_fp32.copy_(where);  where = copy_ = None
-        store = flash_inductor_formats_state_tensor_store(l_stack1_0_state_list_dict_keys_l_stack1_0_state_0_exp_avg_, group0_bfloat16_8bit_exp_avg_fp32);  l_stack1_0_state_list_dict_keys_l_stack1_0_state_0_exp_avg_ = group0_bfloat16_8bit_exp_avg_fp32 = store = None
+        store = flash_inductor_formats_state_tensor_store(l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_exp_avg_, group0_bfloat16_8bit_exp_avg_fp32);  l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_exp_avg_ = group0_bfloat16_8bit_exp_avg_fp32 = store = None
         _set_grad_enabled_1 = torch._C._set_grad_enabled(True);  _set_grad_enabled_1 = None
         return ()""",
         )
