@@ -20,6 +20,8 @@
 #              peers (torch fused AdamW fp32/bf16, FlashOptim), plain and CUDA-graphed
 #   flatparts  what the flat step's parts cost (exact division, no error terms, fp32 states, tuned blocks)
 #   flattests  GPU tests, and the first step's compile time for 4 and 64 tensors of 2048^2
+#   kernel     issue 13: GPU tests, then the flat step with the hand-written Triton kernel (the default) and
+#              Inductor's, on 64 x 2048^2, GPT-2 124M's list and our 1.2B GPT's, with the peers
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
 #              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
 set -uo pipefail
@@ -42,6 +44,11 @@ logged() {
 }
 
 case $stage in
+  kernel)
+    timeout 330 python -m pytest -v -m gpu --continue-on-collection-errors tests 2>&1 | tee "$out/gpu_tests_kernel_h200.log"
+    logged optimizer_step_kernel_h200 250 optimizer_step.py --lists 64x2048x2048,gpt2_124m,gpt_1b \
+      --configs torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_inductor,flashoptim_pypi
+    ;;
   tests)
     # --continue-on-collection-errors: a test file needing a package missing there (expecttest) is
     # reported, and the other GPU tests still run

@@ -3,12 +3,15 @@ around, in one place."""
 
 import contextlib
 import functools
+import importlib.util
 
 import sympy
 import torch
 from torch.torch_version import TorchVersion
 
 TORCH_VERSION = TorchVersion(torch.__version__)
+# CPU builds of torch come without Triton (flash_inductor/triton_adam.py needs it).
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def inductor_patches_for_rewritten_graphs():

@@ -378,14 +378,14 @@ def _lander(bucket_ref, index):
 
 @torch.compiler.disable
 def collect_gradients(record):
-    """The bucket optimizers to step now (``Bucket.collect_gradients``); eager, also inside a
-    compiled train step (it reads Python-side state of every parameter)."""
+    """The buckets to step now (``Bucket.collect_gradients``); eager, also inside a compiled train
+    step (it reads Python-side state of every parameter)."""
     optimizer = record.optimizer
     stepping = []
     for bucket in record.buckets:
         if bucket.collect_gradients(optimizer, record):
             bucket.sync_hyperparameters(optimizer)
-            stepping.append(bucket.optimizer)
+            stepping.append(bucket)
     return stepping
 
 

@@ -7,10 +7,13 @@ graph any compiled program produces.
 
 import contextlib
 import dataclasses
+import inspect
 import os
 
 import torch
 from torch._inductor.graph import GraphLowering
+
+from flash_inductor import triton_adam
 
 _active = []  # Report objects collecting right now (inspect() calls)
 
@@ -157,6 +160,23 @@ def compiling_subgraph(record, subgraph):
     finally:
         GraphLowering.save_output_code = original
         record.subgraph = previous
+
+
+HAND_WRITTEN_STEP = "flash_inductor.triton_adam"
+
+
+def note_step_kernels(why_not):
+    """For reports collecting now: which flat buckets the hand-written Triton step ran ({bucket name:
+    None}) and why the others were compiled instead ({bucket name: reason}); one record per report."""
+    for report in _active:
+        if any(g.name == HAND_WRITTEN_STEP for g in report.graphs) or all(why_not.values()):
+            continue
+        record = GraphRecord(HAND_WRITTEN_STEP, "optimizer step", {})
+        record.kernels["optimizer step"] = inspect.getsource(triton_adam)
+        for bucket, reason in why_not.items():
+            record.decision("step_kernel", bucket, "hand-written Triton kernel" if reason is None else
+                            f"compiled stock update ({reason})")
+        report.graphs.append(record)
 
 
 def uncached_config():

@@ -40,6 +40,9 @@ class Options:
     fp8_filter: callable(module name) -> bool; False keeps that linear in bf16.
     fp8_collectives: gradient all-reduces (sum/avg) send e4m3 bytes with one scale agreed by all
         ranks (``passes/fp8_collectives.py``).
+    step_kernel: "triton" runs the flat Adam/AdamW step of each eligible CUDA bucket (8-bit states,
+        24-bit or no masters) as the hand-written kernel of ``flash_inductor/triton_adam.py``;
+        "inductor" compiles the stock update for every bucket (the reference; always on the CPU).
     """
 
     disable: tuple[str, ...] = ()
@@ -54,6 +57,7 @@ class Options:
     fp8_exclude: tuple[str, ...] = ()
     fp8_filter: Any = None
     fp8_collectives: bool = False
+    step_kernel: str = "triton"
 
     @classmethod
     def from_dict(cls, options):
@@ -85,6 +89,7 @@ class Options:
             fp8_exclude=_strings(options, "fp8_exclude", "str (fnmatch patterns of module names)", ["layers.0.*", "lm_head"]),
             fp8_filter=_callable(options, "fp8_filter", "a callable taking a module name"),
             fp8_collectives=_flag(options, "fp8_collectives"),
+            step_kernel=_choice(options, "step_kernel", ("triton", "inductor"), cls.step_kernel),
         )
 
     def enabled(self, pass_name):

@@ -11,9 +11,10 @@ import weakref
 
 import torch
 
-from flash_inductor import checks, flat, module_hooks
+from flash_inductor import checks, flat, inspection, module_hooks, triton_adam
 from flash_inductor.backend import compile as compile_with_backend
 from flash_inductor.optimizer_record import prepared
+from flash_inductor.options import Options
 
 
 def route_step_through_buckets(optimizer, compile_options):
@@ -26,8 +27,13 @@ def route_step_through_buckets(optimizer, compile_options):
     breaks the graph around every optimizer step anyway): traced inline it would miss
     ``run_compiled_step``'s Dynamo settings, and a float hyperparameter seen with another value at
     the same place (a second model's bucket optimizers) became a dynamic float, read with
-    ``.item()``, which the passes cannot rewrite."""
+    ``.item()``, which the passes cannot rewrite.
+
+    With ``step_kernel="triton"`` (the default) the buckets ``triton_adam`` can step run its kernel
+    instead (CUDA Adam/AdamW); the others go through the compiled stock update."""
     compiled = compile_with_backend(flat.step_buckets, **compile_options)
+    options = Options.from_dict(compile_options)
+    hand_written = options.step_kernel == "triton" and options.compiler == "inductor"
     original_zero_grad = optimizer.zero_grad
 
     @torch.compiler.disable
@@ -37,8 +43,14 @@ def route_step_through_buckets(optimizer, compile_options):
         stepping = flat.collect_gradients(record)  # checks each gradient it has to copy in
         checks.check_numerics(record, self)
         module_hooks.forget_loaded_error_terms(record.params())
-        if stepping:
-            run_compiled_step(compiled, self, stepping)
+        why_not = {b: triton_adam.ineligible(b, b.optimizer) if hand_written else "option step_kernel" for b in stepping}
+        inspection.note_step_kernels({b.name: why_not[b] for b in stepping})
+        by_kernel = [b for b in stepping if why_not[b] is None]
+        for bucket in by_kernel:
+            triton_adam.step(bucket, bucket.optimizer)
+        compiled_buckets = [b.optimizer for b in stepping if b not in by_kernel]
+        if compiled_buckets:
+            run_compiled_step(compiled, self, compiled_buckets)
         return loss
 
     @torch.compiler.disable

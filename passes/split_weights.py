@@ -14,11 +14,11 @@ After::
 
     p = self.param                                  # bf16
     p_error = placeholder                           # int8, bound to the parameter's error term
-    p_master = split_weights.decode(p, p_error)     # fp32 (of p.view(groups, 32), p_error.view(...)
+    p_master = split_weights.decode_for_step(p, p_error)  # fp32 (of p.view(groups, 32), p_error.view(...)
                                                     # when its states are 8-bit: see update_shape)
     p_master.mul_(0.99)
     p_master.addcdiv_(exp_avg, denom)
-    split_weights.store(p, p_error, p_master)       # p, p_error <- encode(p_master)
+    split_weights.store_from_step(p, p_error, p_master)  # p, p_error <- encode(p_master)
 
 Inductor fuses decode, the update and encode into one kernel per parameter (or per group with
 ``foreach``); the bf16 rounding inside ``encode`` needs ``emulate_precision_casts``, which the
@@ -46,7 +46,7 @@ def split_weights_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[st
         error_node = graph_utils.add_bound_placeholder(gm.graph, role.node_name("error"), error)
         shape = role.prepared.update_shape(role.param)
         graph_utils.work_on_decoded_copy(
-            gm.graph, nodes[name], split_weights.decode, split_weights.store, extra=(error_node,),
+            gm.graph, nodes[name], split_weights.decode_for_step, split_weights.store_from_step, extra=(error_node,),
             name=role.node_name("master"), view=shape if shape != tuple(role.param.shape) else None,
         )
     gm.graph.lint()

@@ -60,7 +60,7 @@ def test_report_shows_the_rewrite_with_dtypes(inspected):
     # The step runs on flat buckets: the 64x64 weight (8-bit states) is 128 groups of 32; the three
     # small bf16 tensors (fp32 states) and the fp32 LayerNorm tensors form two more buckets.
     flat = "group0_bfloat16_8bit"
-    assert f'{flat}_master: "f32[128, 32]cpu" = flash_inductor_formats_split_weights_decode(' in code["split_weights"]
+    assert f'{flat}_master: "f32[128, 32]cpu" = flash_inductor_formats_split_weights_decode_for_step(' in code["split_weights"]
     assert f'{flat}_error: "i8[128, 32]cpu"' in code["split_weights"]
     assert "CompandedState(bf16[128, 32]cpu)" in code["companded_states"]
     assert f'{flat}_exp_avg_fp32: "f32[128, 32]cpu"' in code["companded_states"]

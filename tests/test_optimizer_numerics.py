@@ -106,7 +106,7 @@ def bf16_grads(model, i):
     """Backward of a cross-entropy loss on the (bf16) model: its bf16 gradients, detached copies."""
     first, last = list(model.modules())[1], list(model.modules())[-1]
     x, y = batch(i, first.in_features, last.out_features)
-    loss = nn.functional.cross_entropy(model(x.to(first.weight.dtype)).float(), y)
+    loss = nn.functional.cross_entropy(model(x.to(first.weight.device, first.weight.dtype)).float(), y.to(first.weight.device))
     loss.backward()
     return [p.grad.detach().clone() for p in model.parameters()]
 
@@ -230,10 +230,15 @@ FP32_ALLOWANCE_ULPS = 8
 
 @pytest.mark.parametrize("name", list(ONE_STEP_CASES))
 def test_one_step_matches_fp64_reference_within_one_code_step(name):
-    cls, kwargs, algo = ONE_STEP_CASES[name]
-    model = mlp()
+    check_one_step_against_fp64_reference(*ONE_STEP_CASES[name], device="cpu", compile_options=EAGER)
+
+
+def check_one_step_against_fp64_reference(cls, kwargs, algo, device, compile_options):
+    """Each of ``STEPS`` steps of ``cls`` (prepared on ``device`` with ``compile_options``) against one
+    fp64 reference step from the same decoded masters and states (also tests/test_gpu.py)."""
+    model = mlp().to(device)
     opt = cls(model.parameters(), **kwargs)
-    flash_inductor.prepare(model, opt, state_bits=8, min_quantized_numel=1, compile_options=EAGER)
+    flash_inductor.prepare(model, opt, state_bits=8, min_quantized_numel=1, compile_options=compile_options)
     record = roles.PREPARED[opt]
     hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
     hyper["lr"] = float(hyper["lr"])  # the fp32 lr tensor prepare made: its exact value
@@ -289,6 +294,7 @@ def test_one_step_matches_fp64_reference_within_one_code_step(name):
     assert hi_differs <= 1e-4 * n_master, hi_differs
     assert scale_differs <= 1e-2 * n_codes / GROUP, scale_differs
     assert n_ambiguous <= 1e-4 * n_master, n_ambiguous
+    return model, opt
 
 
 # ============================================================================ 3. Inductor vs eager rewrite

@@ -120,6 +120,7 @@ def test_the_users_pass_is_part_of_the_uuid_and_one_without_uuid_bypasses_the_ca
     ("fp8", "x", "None, 'tensorwise' or 'delayed'"),
     ("fp8_filter", 3, "callable"),
     ("fp8_fast_accum", 1, "True or False"),
+    ("step_kernel", "cuda", "'triton' or 'inductor'"),
 ])
 def test_a_bad_option_names_the_option_the_value_and_what_is_expected(name, value, expected):
     with pytest.raises(ValueError) as info:

@@ -39,7 +39,7 @@ PARAMS = ["0.bias", "0.weight", "2.bias", "2.weight"]
 def test_adamw_step_roles(foreach):
     model, opt = _model_and_optimizer(lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=foreach))
     model(torch.randn(4, 8, dtype=torch.bfloat16)).sum().backward()
-    (step_roles,) = _capture_roles(flat.step_buckets, flat.collect_gradients(roles.PREPARED[opt]))
+    (step_roles,) = _capture_roles(flat.step_buckets, [b.optimizer for b in flat.collect_gradients(roles.PREPARED[opt])])
     # The step runs on the one flat bucket of the four parameters (flash_inductor/flat.py); the
     # group's lr tensor is read, not written.
     bucket = "group0_bfloat16_8bit"
@@ -66,7 +66,7 @@ def test_sgd_roles_inside_a_whole_train_step(foreach):
     assert forward == [sorted((f"param:{n}", False) for n in PARAMS)]
     assert not [g for g in graphs if any(w for _, w in g)]
     model(torch.randn(4, 8, dtype=torch.bfloat16)).sum().backward()
-    step = _capture_roles(flat.step_buckets, flat.collect_gradients(roles.PREPARED[opt]))
+    step = _capture_roles(flat.step_buckets, [b.optimizer for b in flat.collect_gradients(roles.PREPARED[opt])])
     bucket = "group0_bfloat16_8bit"
     expected = [("hyperparameter:lr", False), (f"param:{bucket}", True), (f"grad:{bucket}", False),
                 (f"state:{bucket}[momentum_buffer]", True)]

@@ -1,0 +1,168 @@
+"""A hand-written Triton kernel for the flat Adam/AdamW step on CUDA (issue 13).
+
+Inductor's kernel for the traced stock update (``flat.step_buckets``) stays the reference and the
+path for every other case: the CPU, other optimizers, amsgrad, fp32 states or 32-bit masters. On
+the H200 this kernel is faster (docs/benchmarks.md, "The flat optimizer step"): it processes
+``BLOCK_GROUPS`` groups of 32 per program with few registers, where Inductor's persistent
+reductions over the two state scales keep more values live.
+
+The math is the stock capturable Adam(W) update on the decoded fp32 values, with the storage formats
+of ``formats/split_weights.py`` (the step's plain pair, int8 error terms) and
+``formats/companded.py`` (signed and sqrt codes, fp16 group scales, one reciprocal per group),
+written once more in Triton; ``tests/test_gpu.py`` holds it to the fp64 reference and to the
+Inductor step. Groups whose parameter has no gradient (``bucket.active``) are not written.
+"""
+
+import torch
+
+from flash_inductor import _compat
+from flash_inductor.formats import companded, split_weights
+from flash_inductor.formats.state_tensor import CompandedState
+
+GROUP = companded.GROUP_SIZE
+BLOCK_GROUPS = 16  # groups of 32 per program: the hand-tuned choice of the flat-step probe (H200)
+NUM_WARPS = 2
+_FORMATS = {torch.bfloat16: (7, 127), torch.float16: (10, 15)}  # mantissa bits, exponent bias
+
+if _compat.HAS_TRITON:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _pow2(k):
+        """2.0 ** k for int32 k in [-126, 127], from the exponent bits."""
+        return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _scale_by_pow2(x, k):
+        half = k >> 1
+        return x * _pow2(half) * _pow2(k - half)
+
+    @triton.jit
+    def _half_ulp_log2(hi, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+        biased = (hi.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF) >> MANTISSA
+        return tl.maximum(biased, 1) - (BIAS + MANTISSA + 1)
+
+    @triton.jit
+    def _group_scale(x):
+        """fp16 scales of the rows of ``x`` and their fp32 values: absmax clamped to [1e-12, 65504],
+        nan for a row holding inf or nan (formats/companded.py)."""
+        bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1)
+        absmax = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 65504.0)
+        scale16 = tl.where(bad != 0, float("nan"), absmax).to(tl.float16)
+        scale = scale16.to(tl.float32)
+        inverse = tl.where(scale > 0, 1.0 / scale, 0.0)  # 0 where fp16 underflowed or the group is nan
+        return scale16, inverse[:, None]
+
+    @triton.jit
+    def _adam_kernel(
+        weights, errors, grads, m_codes, m_scales, v_codes, v_scales, step, active,
+        num_groups, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+        DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_ERRORS: tl.constexpr, PER_GROUP: tl.constexpr,
+        MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr, CODE_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, 32)
+        row_ok = rows < num_groups
+        if PER_GROUP:
+            count = tl.load(step + rows, mask=row_ok, other=1.0)
+            live = tl.load(active + rows, mask=row_ok, other=0) != 0
+        else:
+            count = tl.load(step + rows * 0)
+            live = tl.load(active + rows * 0) != 0
+        ok = row_ok & live
+        at = rows[:, None] * 32 + cols[None, :]
+        mask = ok[:, None]
+
+        hi = tl.load(weights + at, mask=mask, other=0.0)
+        x = hi.to(tl.float32)
+        if HAS_ERRORS:
+            # split_weights.decode_for_step: negated (-0.0 stays), codes +-127 pulled in by the guard
+            fine = (-tl.load(errors + at, mask=mask, other=0)).to(tl.float32) * (1.0 / 127)
+            fine = tl.minimum(tl.maximum(fine, -1.0 + GUARD), 1.0 - GUARD)
+            x -= _scale_by_pow2(fine, _half_ulp_log2(hi, MANTISSA, BIAS))
+        g = tl.load(grads + at, mask=mask, other=0.0).to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        y = tl.load(m_codes + at, mask=mask, other=0).to(tl.float32) * (1.0 / 127)
+        m = y / (2 - tl.abs(y)) * tl.load(m_scales + rows, mask=ok, other=0.0).to(tl.float32)[:, None]
+        s = tl.load(v_codes + at, mask=mask, other=0).to(tl.float32) * (1.0 / 255)
+        s = s * tl.load(v_scales + rows, mask=ok, other=0.0).to(tl.float32)[:, None]
+        v = s * s
+
+        if DECOUPLED:
+            x = x * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * x
+        m = m + one_minus_beta1 * (g - m)
+        v = v * beta2 + one_minus_beta2 * g * g
+        # libdevice's pow, as Inductor lowers torch's ``1 - beta ** step``: after the cancellation an ulp of
+        # ``beta ** step`` is 6e-5 of the correction, so another pow would move every update that much.
+        correction1 = 1 - libdevice.pow(beta1, count)
+        correction2 = 1 - libdevice.pow(beta2, count)
+        step_size = (lr / correction1)[:, None]
+        x = x - step_size * m / (tl.sqrt(v) / tl.sqrt(correction2)[:, None] + eps)
+
+        new_hi = x.to(weights.dtype.element_ty)
+        tl.store(weights + at, new_hi, mask=mask)
+        if HAS_ERRORS:
+            rel = _scale_by_pow2(x - new_hi.to(tl.float32), -_half_ulp_log2(new_hi, MANTISSA, BIAS))
+            rel = tl.where(tl.abs(rel) < float("inf"), rel, 0.0)  # non-finite masters: code 0
+            rel = tl.minimum(tl.maximum(rel, -1.0), 1.0)
+            tl.store(errors + at, tl.floor(rel * CODE_SCALE + 0.5).to(tl.int8), mask=mask)
+
+        m_scale16, m_inverse = _group_scale(m)
+        u = m * m_inverse
+        q = tl.floor(127 * (2 * u / (1 + tl.abs(u))) + 0.5)
+        tl.store(m_codes + at, tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8), mask=mask)
+        tl.store(m_scales + rows, m_scale16, mask=ok)
+        root = tl.sqrt(tl.maximum(v, 0.0))
+        v_scale16, v_inverse = _group_scale(root)
+        q = tl.floor(255 * (root * v_inverse) + 0.5)
+        tl.store(v_codes + at, tl.minimum(tl.maximum(q, 0.0), 255.0).to(tl.uint8), mask=mask)
+        tl.store(v_scales + rows, v_scale16, mask=ok)
+
+
+def ineligible(bucket, optimizer):
+    """Why this kernel cannot step ``bucket`` (whose bucket optimizer is ``optimizer``), or None."""
+    group = optimizer.param_groups[0]
+    states = bucket.states
+    if not _compat.HAS_TRITON:
+        return "Triton is not installed"
+    if bucket.weights.device.type != "cuda":
+        return "not on a CUDA device"
+    if not isinstance(optimizer, torch.optim.Adam):
+        return f"{type(optimizer).__name__} has no hand-written kernel"
+    if group.get("amsgrad") or group.get("differentiable"):
+        return "amsgrad/differentiable"
+    if bucket.weights.dtype not in _FORMATS:
+        return f"{bucket.weights.dtype} weights"
+    if bucket.errors is not None and bucket.errors.dtype != torch.int8:
+        return "32-bit masters (int16 error terms) use the exact split-weight pair"
+    if set(states) != {"exp_avg", "exp_avg_sq"} or not all(isinstance(s, CompandedState) for s in states.values()):
+        return "fp32 states"
+    if any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in (group["lr"], *group["betas"])):
+        return "a hyperparameter tensor on the GPU (read here as a float)"
+    return None
+
+
+def step(bucket, optimizer):
+    """One Adam/AdamW step of ``bucket`` (``ineligible`` said None), in place: the step counts of its
+    active groups advance, then one kernel updates weights, error terms and both states."""
+    group = optimizer.param_groups[0]
+    lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
+    bucket.step.add_(bucket.active)
+    m, v = bucket.states["exp_avg"], bucket.states["exp_avg_sq"]
+    mantissa, bias = _FORMATS[bucket.weights.dtype]
+    decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+    grid = (triton.cdiv(bucket.num_groups, BLOCK_GROUPS),)
+    _adam_kernel[grid](
+        bucket.weights, bucket.errors if bucket.errors is not None else bucket.weights, bucket.grads,
+        m.codes, m.scales, v.codes, v.scales, bucket.step, bucket.active,
+        bucket.num_groups, lr, beta1, 1 - beta1, beta2, 1 - beta2,
+        float(group["eps"]), float(group["weight_decay"]),
+        DECOUPLED=bool(decoupled), MAXIMIZE=bool(group.get("maximize")), HAS_ERRORS=bucket.errors is not None,
+        PER_GROUP=bucket.per_group, MANTISSA=mantissa, BIAS=bias, GUARD=split_weights.step_guard(bucket.weights.dtype),
+        CODE_SCALE=split_weights.STEP_CODE_SCALE, BLOCK=BLOCK_GROUPS, num_warps=NUM_WARPS,
+    )
