@@ -24,6 +24,7 @@ import torch
 from gpu_profile import kernel_times
 
 import flash_inductor
+from flash_inductor import triton_adam
 
 BYTES_PER_PARAM = {"torch_fused_fp32": 28.0, "torch_fused_bf16": 14.0, "flashoptim": 12.25, "flashoptim_pypi": 12.25,
                    "flashoptim_bf16masters": 10.25, "flashoptim_fp32states": 24.0}
@@ -117,7 +118,8 @@ def main():
                         help="comma list of torch_fused_fp32, torch_fused_bf16, flashoptim, flashoptim_inductor, flashoptim_cudagraphs, "
                              "flashoptim_combo, flashoptim_coordesc, flashoptim_tuned, "
                              "flashoptim_cppwrapper, flashoptim_exactdiv, flashoptim_bf16masters, flashoptim_fp32states, "
-                             "flashoptim_pypi (skipped when not installed)")
+                             "flashoptim_pypi (skipped when not installed), flashoptim_block{B}_warps{W} (the hand-written kernel "
+                             "with B groups of 32 per program and W warps)")
     args = parser.parse_args()
     bandwidth = measure_copy_bandwidth()
     info = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), copy_bandwidth_GBps=bandwidth / 1e9,
@@ -155,7 +157,7 @@ def main():
             if name == "flashoptim_pypi" and importlib.util.find_spec("flashoptim") is None:
                 print("flashoptim package not installed: flashoptim_pypi skipped")
                 continue
-            run = configs[name]
+            run = configs[name] if name in configs else kernel_launch_config(name, shapes)
             torch._dynamo.reset()
             torch.cuda.empty_cache()
             result = run()
@@ -172,6 +174,21 @@ def main():
             with open(args.out, "w") as f:  # after every row: a run cut short keeps what it measured
                 json.dump({"info": info, "rows": rows}, f, indent=1)
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s; wrote {args.out}")
+
+
+def kernel_launch_config(name, shapes):
+    """``flashoptim_block{B}_warps{W}``: the hand-written step with B groups of 32 per program, W warps."""
+    block, warps = (int(part.removeprefix(prefix)) for part, prefix in zip(name.split("_")[1:], ("block", "warps")))
+
+    def run():
+        saved = triton_adam.BLOCK_GROUPS, triton_adam.NUM_WARPS
+        triton_adam.BLOCK_GROUPS, triton_adam.NUM_WARPS = block, warps
+        try:
+            return bench_flashoptim(shapes, False, {})
+        finally:
+            triton_adam.BLOCK_GROUPS, triton_adam.NUM_WARPS = saved
+
+    return run
 
 
 def measure_copy_bandwidth():

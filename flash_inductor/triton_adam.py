@@ -46,11 +46,12 @@ if _compat.HAS_TRITON:
 
     @triton.jit
     def _group_scale(x):
-        """fp16 scales of the rows of ``x`` and their fp32 values: absmax clamped to [1e-12, 65504],
-        nan for a row holding inf or nan (formats/companded.py)."""
-        bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1)
-        absmax = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 65504.0)
-        scale16 = tl.where(bad != 0, float("nan"), absmax).to(tl.float16)
+        """fp16 scales of the rows of ``x`` and the reciprocals of their fp32 values: absmax clamped to
+        [1e-12, 65504], nan for a row holding inf or nan (formats/companded.py), in one reduction."""
+        magnitude = tl.abs(x)
+        absmax = tl.max(tl.where(magnitude == magnitude, magnitude, float("inf")), axis=1)
+        scale16 = tl.where(absmax == float("inf"), float("nan"), tl.minimum(tl.maximum(absmax, 1e-12), 65504.0))
+        scale16 = scale16.to(tl.float16)
         scale = scale16.to(tl.float32)
         inverse = tl.where(scale > 0, 1.0 / scale, 0.0)  # 0 where fp16 underflowed or the group is nan
         return scale16, inverse[:, None]
@@ -66,12 +67,11 @@ if _compat.HAS_TRITON:
         cols = tl.arange(0, 32)
         row_ok = rows < num_groups
         if PER_GROUP:
-            count = tl.load(step + rows, mask=row_ok, other=1.0)
-            live = tl.load(active + rows, mask=row_ok, other=0) != 0
-        else:
-            count = tl.load(step + rows * 0)
-            live = tl.load(active + rows * 0) != 0
-        ok = row_ok & live
+            count = tl.load(step + rows, mask=row_ok, other=1.0)[:, None]
+            ok = row_ok & (tl.load(active + rows, mask=row_ok, other=0) != 0)
+        else:  # one count for the bucket: its bias corrections once per thread, not per group
+            count = tl.load(step)
+            ok = row_ok
         at = rows[:, None] * 32 + cols[None, :]
         mask = ok[:, None]
 
@@ -101,8 +101,8 @@ if _compat.HAS_TRITON:
         # ``beta ** step`` is 6e-5 of the correction, so another pow would move every update that much.
         correction1 = 1 - libdevice.pow(beta1, count)
         correction2 = 1 - libdevice.pow(beta2, count)
-        step_size = (lr / correction1)[:, None]
-        x = x - step_size * m / (tl.sqrt(v) / tl.sqrt(correction2)[:, None] + eps)
+        root = tl.sqrt(v)  # also the encoded value of the second moment (v >= 0)
+        x = x - (lr / correction1) * m / (root / tl.sqrt(correction2) + eps)
 
         new_hi = x.to(weights.dtype.element_ty)
         tl.store(weights + at, new_hi, mask=mask)
@@ -117,10 +117,10 @@ if _compat.HAS_TRITON:
         q = tl.floor(127 * (2 * u / (1 + tl.abs(u))) + 0.5)
         tl.store(m_codes + at, tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8), mask=mask)
         tl.store(m_scales + rows, m_scale16, mask=ok)
-        root = tl.sqrt(tl.maximum(v, 0.0))
         v_scale16, v_inverse = _group_scale(root)
-        q = tl.floor(255 * (root * v_inverse) + 0.5)
-        tl.store(v_codes + at, tl.minimum(tl.maximum(q, 0.0), 255.0).to(tl.uint8), mask=mask)
+        u = root * v_inverse
+        q = tl.where(u > 0, tl.minimum(tl.maximum(tl.floor(255 * u + 0.5), 1.0), 255.0), 0.0)  # code 1 at least
+        tl.store(v_codes + at, q.to(tl.uint8), mask=mask)
         tl.store(v_scales + rows, v_scale16, mask=ok)
 
 

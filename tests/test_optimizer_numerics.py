@@ -257,6 +257,7 @@ def check_one_step_against_fp64_reference(cls, kwargs, algo, device, compile_opt
             }
             step = float(state["step"]) + 1 if "step" in state else None
             expected[p] = (master, *ref_one_step(algo, hyper, master, p.grad.double(), states, step))
+        grads = {p: p.grad.clone() for p in model.parameters()}
         opt.step()
         opt.zero_grad()
 
@@ -268,9 +269,15 @@ def check_one_step_against_fp64_reference(cls, kwargs, algo, device, compile_opt
             fp32_slack = FP32_ALLOWANCE_ULPS * 2.0**-24 * size
             diff = (got - new).abs()
             check = ~ambiguous
-            assert (diff <= code_step + fp32_slack)[check].all(), (
-                f"step {i}: master off by {(diff / code_step)[check].max().item():.3g} code steps"
-            )
+            bad = ((diff > code_step + fp32_slack) & check).flatten()
+            if bad.any():
+                at = int(bad.nonzero()[0])
+                flat = lambda t: t.flatten()[at].item()  # noqa: E731
+                raise AssertionError(
+                    f"step {i}: {int(bad.sum())} of {bad.numel()} masters of a {tuple(p.shape)} parameter off by up to "
+                    f"{(diff / code_step)[check].max().item():.3g} code steps; first at {at}: before {flat(old)!r} grad "
+                    f"{flat(grads[p])!r} got {flat(got)!r} expected {flat(new)!r} "
+                    f"states {[(k, flat(v)) for k, v in new_states.items()]}")
             master_off += (diff > code_step)[check].sum().item()
             n_master += check.sum().item()
             n_ambiguous += ambiguous.sum().item()
