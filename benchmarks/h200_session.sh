@@ -22,6 +22,7 @@
 #   flattests  GPU tests, and the first step's compile time for 4 and 64 tensors of 2048^2
 #   kernel     issue 13: GPU tests, then the flat step with the hand-written Triton kernel (the default) and
 #              Inductor's, on 64 x 2048^2, GPT-2 124M's list and our 1.2B GPT's, with the peers
+#   blocks     issue 13: the hand-written step's GPU tests, and its launch shapes (groups per program, warps)
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
 #              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
 set -uo pipefail
@@ -44,6 +45,11 @@ logged() {
 }
 
 case $stage in
+  blocks)
+    timeout 240 python -m pytest -v -m gpu tests/test_gpu.py 2>&1 | grep -v "^DEBUG" | tee "$out/gpu_tests_blocks_h200.log"
+    logged optimizer_step_blocks_h200 200 optimizer_step.py --lists 64x2048x2048,gpt2_124m \
+      --configs torch_fused_fp32,flashoptim,flashoptim_block8_warps1,flashoptim_block16_warps4,flashoptim_block32_warps4,flashoptim_block64_warps4,flashoptim_block32_warps8
+    ;;
   kernel)
     timeout 330 python -m pytest -v -m gpu --continue-on-collection-errors tests 2>&1 | tee "$out/gpu_tests_kernel_h200.log"
     logged optimizer_step_kernel_h200 250 optimizer_step.py --lists 64x2048x2048,gpt2_124m,gpt_1b \
