@@ -24,12 +24,10 @@ def _prepared(compiler, foreach=False):
 def _stock_adamw_step(masters, grads, backend):
     """One step of stock fp32 ``torch.optim.AdamW`` (same hyperparameters) from the decoded masters,
     compiled as the flashoptim step is: traced by Dynamo, torch computes the bias corrections from
-    the step tensor in fp32 (not in Python floats), on the GPU (capturable, as the flat step). On
-    the H200 (2026-12-01) the Triton step was 3e-5 (relative to the update) off stock AdamW traced
-    and run eagerly: the size of one fp32 ulp
-    in ``beta2 ** step`` (Inductor's Triton ``pow`` is libdevice's, within 2 ulp) after the
-    cancellation in ``1 - beta2 ** step``. So the Triton step is compared with stock AdamW compiled
-    by Inductor, which computes the bias corrections with the same ``pow``."""
+    the step tensor in fp32 (not in Python floats), on the GPU (capturable, as the flat step). With
+    ``backend="inductor"`` its ``beta ** step`` is libdevice's fp32 pow, which the H200 showed an ulp
+    off torch's eager CUDA pow (0.999 ** 1): 3e-5 of the first steps' updates after the cancellation
+    in ``1 - beta2 ** step``."""
     params = {name: nn.Parameter(value.clone()) for name, value in masters.items()}
     for name, p in params.items():
         p.grad = grads[name].float()
@@ -63,8 +61,10 @@ def test_triton_step_matches_stock_adamw_and_eager_rewrite(foreach):
         for name, p in model.named_parameters():
             p.grad = grads[name].clone()
         opt.step()
-    references = {"triton": _stock_adamw_step(masters_before, grads, "inductor"),
-                  "eager": _stock_adamw_step(masters_before, grads, "eager")}
+    # Both against stock AdamW run eagerly: the hand-written kernel computes ``beta ** step`` as torch's
+    # eager CUDA pow does (flash_inductor/triton_adam.py), not as Inductor's.
+    reference = _stock_adamw_step(masters_before, grads, "eager")
+    references = {"triton": reference, "eager": reference}
     params = dict(triton_model.named_parameters())
     for label, model, opt in (("triton", triton_model, triton_opt), ("eager", eager_model, eager_opt)):
         reference = references[label]
@@ -177,8 +177,9 @@ def test_triton_step_agrees_with_inductor_step_and_skips_parameters_without_grad
         if step == 0:
             masters = {k: flash_inductor.master_state_dict(*r) for k, r in runs.items()}
             for name, p in runs["triton"][0].named_parameters():
-                # one code step, or without error terms one bf16 ulp (a value between two rounds either way)
-                code_step = torch.finfo(torch.bfloat16).eps * p.detach().double().abs() / (2 * 127 if master_weight_bits else 1)
+                # one code step; without error terms two bf16 ulps: the stock update on bf16 parameters rounds
+                # after each in-place op (weight decay, then the step), the kernel once
+                code_step = torch.finfo(torch.bfloat16).eps * p.detach().double().abs() * (1 / 254 if master_weight_bits else 2)
                 tol = code_step + 4 * torch.finfo(torch.float32).eps * (masters["inductor"][name].double().abs() + LR)
                 assert ((masters["triton"][name].double() - masters["inductor"][name].double()).abs() <= tol).all(), name
             bits = {k: stored_bits(*r) for k, r in runs.items()}
