@@ -2,9 +2,13 @@
 
 ``optimizer.state_dict()`` holds, by default, fp32 decoded states under torch's own keys (a stock
 ``torch.optim`` optimizer of the same class loads it) plus each parameter's error term under
-``"error_term"``. With ``prepare(..., compressed_state_dict=True)`` the 8-bit states are saved as
-their codes and scales instead (``{"codes", "scales", "kind"}``), less than half the size, and
-reload bit-exactly. Either form loads back into a prepared optimizer, and so does a stock one.
+``"error_term"`` and, for its 8-bit states, their fp16 group scales under ``"group_scales"``
+(``{state key: scales}``, 1/64 of the decoded bytes): with them the decoded values load back to
+the very codes and scales they came from (``companded.encode_with_saved_scales``), where encoding
+decoded values afresh moves the codes of a group that lacks its top code. Both forms reload
+bit-exactly. With ``prepare(..., compressed_state_dict=True)`` the 8-bit states are saved as
+their codes and scales instead (``{"codes", "scales", "kind"}``), less than half the size. Either
+form loads back into a prepared optimizer, and so does a stock one.
 
 Loading always leaves every parameter with the states ``prepare`` would give it, in their stored
 form: states the loaded dict lacks (e.g. a stock optimizer saved before its first step) start
@@ -24,6 +28,7 @@ from flash_inductor.formats.state_tensor import CompandedState, StateTensor
 from flash_inductor.optimizer_record import init_state, make_lr_tensor, new_state, prepared
 
 ERROR_TERM_KEY = "error_term"
+SCALES_KEY = "group_scales"
 
 
 def install_hooks(optimizer):
@@ -53,6 +58,7 @@ def _state_dict_post_hook(optimizer, state_dict):
         if index not in state_dict["state"] and record.error_term(param) is None:
             continue
         entries = dict(state_dict["state"].get(index, {}))
+        scales = {}
         for key, value in entries.items():
             stored = sharded.local(value)  # states of a sharded parameter are DTensors of local states
             if isinstance(stored, CompandedState) and record.compressed_state_dict:
@@ -63,12 +69,17 @@ def _state_dict_post_hook(optimizer, state_dict):
                 }
             elif isinstance(stored, StateTensor):
                 entries[key] = sharded.like(value, stored.decode().clone())
+                if isinstance(stored, CompandedState) and not sharded.is_sharded(param):
+                    # (A shard's groups need not line up with the whole tensor's: see sharded.groups_like.)
+                    scales[key] = stored.scales.clone()
             elif key == "step" and record.buckets:
                 # A view of the bucket's count: saved as the tensor ``prepare`` gives a stock-like group.
                 entries[key] = value.detach().to(_step_device(groups[index], param), copy=True)
         error = record.error_term(param)
         if error is not None:
             entries[ERROR_TERM_KEY] = error.clone()
+        if scales:
+            entries[SCALES_KEY] = scales
         state[index] = entries
     # Entries torch keeps for tensors that are not parameters of this optimizer (rare).
     for key, entries in state_dict["state"].items():
@@ -111,7 +122,7 @@ def _load_pre_hook(optimizer, state_dict):
         layout = record.layout({**group, **saved_group})
         for saved_id in saved_group["params"]:
             position[saved_id] = len(kinds)
-            kinds.append(dict(layout.quantized, **{ERROR_TERM_KEY: None}))
+            kinds.append(dict(layout.quantized, **{ERROR_TERM_KEY: None, SCALES_KEY: None}))
     params = _params_by_index(optimizer)
     restored, state = {}, {}
     for saved_id, entries in state_dict["state"].items():
@@ -120,7 +131,11 @@ def _load_pre_hook(optimizer, state_dict):
             continue
         index = position[saved_id]
         ours = kinds[index]
-        restored[index] = {k: _restore(record, params[index], k, v, ours[k]) for k, v in entries.items() if k in ours}
+        scales = _saved_scales(record, params[index], entries.get(SCALES_KEY, {}))
+        restored[index] = {
+            k: _restore(record, params[index], k, v, ours[k], scales.get(k))
+            for k, v in entries.items() if k in ours and k != SCALES_KEY
+        }
         state[saved_id] = {k: v for k, v in entries.items() if k not in ours}
     _pending[optimizer] = restored
     return dict(state_dict, state=state)
@@ -155,10 +170,25 @@ def _describe(value):
     return f"{list(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
-def _restore(record, param, key, saved, kind):
+def _restore(record, param, key, saved, kind, saved_scales):
     if key == ERROR_TERM_KEY:
         return _restore_error_term(record, param, saved)
-    return _restore_state(record, param, key, saved, kind)
+    return _restore_state(record, param, key, saved, kind, saved_scales)
+
+
+def _saved_scales(record, param, saved):
+    """{state key: saved group scales} of ``param``, each checked to be one per group of 32."""
+    if not isinstance(saved, dict):
+        raise _refusal(record, param, SCALES_KEY, f"is {_describe(saved)}, not a dict of group scales by state key", _RESAVE)
+    groups = companded.num_groups(sharded.local(param).numel())
+    for key, scales in saved.items():
+        scales = sharded.local(scales)
+        if not isinstance(scales, torch.Tensor) or not scales.is_floating_point() or scales.numel() != groups:
+            raise _refusal(
+                record, param, f"{SCALES_KEY}[{key!r}]", f"is {_describe(scales)}, not {groups} floating-point group scales",
+                _SAME_MODEL,
+            )
+    return saved
 
 
 def _restore_error_term(record, param, saved):
@@ -180,9 +210,10 @@ def _restore_error_term(record, param, saved):
     return saved.to(current.device, current.dtype)
 
 
-def _restore_state(record, param, key, saved, kind):
-    """The stored state of ``param`` from a saved entry. For a sharded parameter, everything is
-    restored per local shard (the saved DTensors hold this rank's shard)."""
+def _restore_state(record, param, key, saved, kind, saved_scales=None):
+    """The stored state of ``param`` from a saved entry (decoded values with the group scales they
+    were saved with, or the compressed form). For a sharded parameter, everything is restored per
+    local shard (the saved DTensors hold this rank's shard)."""
     shard = sharded.local(param)
     if isinstance(saved, dict):  # compressed form
         state = _compressed_state(record, param, key, saved, kind)
@@ -194,7 +225,7 @@ def _restore_state(record, param, key, saved, kind):
         saved = saved.decode()
     if not isinstance(saved, torch.Tensor) or saved.numel() != shard.numel():
         raise _refusal(record, param, key, f"is {_describe(saved)}, the parameter {list(shard.shape)}", _SAME_MODEL)
-    return new_state(record, param, kind, saved.float().reshape(shard.shape))
+    return new_state(record, param, kind, saved.float().reshape(shard.shape), saved_scales)
 
 
 def _compressed_state(record, param, key, saved, kind):

@@ -3,12 +3,19 @@
 ``flash_inductor.inspect(fn, *args)`` runs ``fn`` once through the backend and returns a
 ``Report``. ``FLASHOPTIM_DUMP=folder`` (or the option ``dump``) writes the same files for every
 graph any compiled program produces.
+
+The report also names every graph break Dynamo took while ``fn`` ran (where, and Dynamo's reason):
+each one splits the code around it into separate graphs, which the passes and Inductor see one at
+a time. They come from Dynamo's ``graph_breaks`` log (``TORCH_LOGS=graph_breaks``), collected
+while inspecting.
 """
 
 import contextlib
 import dataclasses
 import inspect
+import logging
 import os
+import re
 
 import torch
 from torch._inductor.graph import GraphLowering
@@ -75,11 +82,74 @@ class GraphRecord:
                 f.write(code)
 
 
+@dataclasses.dataclass
+class GraphBreak:
+    """A graph break: the user code where Dynamo stopped tracing, and why."""
+
+    location: str  # "file:line" of the innermost user frame
+    reason: str  # Dynamo's reason: what it could not trace, with its explanation and hint
+    traceback: str = ""  # the user code traceback (Dynamo gives it once per location)
+
+    @property
+    def headline(self):
+        """The reason in one line: its first paragraph that says more than "Encountered graph
+        break when attempting to trace ...", which most reasons start with."""
+        paragraphs = [p.strip() for p in self.reason.split("\n\n") if p.strip()] or ["?"]
+        specific = [p for p in paragraphs if not p.startswith("Encountered graph break")]
+        return (specific or paragraphs)[0].splitlines()[0]
+
+    @classmethod
+    def from_log(cls, message):
+        located = re.search(r"in user code at (.+):(\d+)\n", message)
+        frames = re.findall(r'File "(.+?)", line (\d+)', message)
+        where = located.groups() if located else frames[-1] if frames else ("?", "?")
+        reason = re.search(r"Graph Break Reason: (.*?)(?:\nUser code traceback:|\Z)", message, re.DOTALL)
+        traceback = message.partition("User code traceback:\n")[2]
+        return cls(f"{where[0]}:{where[1]}", (reason.group(1) if reason else message).strip(), traceback.rstrip())
+
+
+class _GraphBreakCollector(logging.Handler):
+    def __init__(self, report):
+        super().__init__(logging.DEBUG)
+        self.report = report
+
+    def emit(self, record):
+        found = GraphBreak.from_log(record.getMessage())
+        # Dynamo logs a break again at each restart of the frame's tracing: one entry per location.
+        if all(b.location != found.location for b in self.report.graph_breaks):
+            self.report.graph_breaks.append(found)
+
+
+def _graph_break_loggers():
+    # Dynamo's modules each log graph breaks to their own artifact logger ("graph_breaks").
+    return [log for log in list(logging.Logger.manager.loggerDict.values())
+            if isinstance(log, logging.Logger) and getattr(log, "artifact_name", None) == "graph_breaks"]
+
+
+@contextlib.contextmanager
+def _collecting_graph_breaks(report):
+    handler = _GraphBreakCollector(report)
+    saved = [(log, log.level, log.propagate) for log in _graph_break_loggers()]
+    for log, _, _ in saved:
+        if not log.isEnabledFor(logging.DEBUG):
+            log.setLevel(logging.DEBUG)
+            log.propagate = False  # collected here, not printed (unless TORCH_LOGS asked for them)
+        log.addHandler(handler)
+    try:
+        yield
+    finally:
+        for log, level, propagate in saved:
+            log.removeHandler(handler)
+            log.setLevel(level)
+            log.propagate = propagate
+
+
 class Report:
-    """Every graph captured while the inspected function ran."""
+    """Every graph captured while the inspected function ran, and the graph breaks between them."""
 
     def __init__(self):
         self.graphs: list[GraphRecord] = []
+        self.graph_breaks: list[GraphBreak] = []
         self.memory = []  # flash_inductor.memory.MemoryReport of each prepared optimizer
 
     def summary_rows(self):
@@ -99,12 +169,17 @@ class Report:
         for g in self.graphs:
             lines.append(f"{g.name}: kernels generated: {', '.join(g.kernel_backends) or 'none'}")
             lines += [f"{g.name}: {p}: {subject}: {decision}" for p, subject, decision in g.decisions]
+        lines += [f"graph break at {b.location}: {b.headline}" for b in self.graph_breaks]
         for memory in self.memory:
             lines += ["", str(memory)]
         return "\n".join(lines)
 
     def __str__(self):
         parts = [self.summary()]
+        for b in self.graph_breaks:
+            parts += ["", f"==== graph break at {b.location}", b.reason]
+            if b.traceback:
+                parts += ["User code traceback:", b.traceback]
         for g in self.graphs:
             for s in g.stages:
                 title = f"==== {g.name} ({g.kind}) {s.level}:{s.subgraph} after {s.name}"
@@ -188,7 +263,7 @@ def uncached_config():
 def collecting(report):
     _active.append(report)
     try:
-        with torch._functorch.config.patch(enable_autograd_cache=False):
+        with torch._functorch.config.patch(enable_autograd_cache=False), _collecting_graph_breaks(report):
             yield report
     finally:
         _active.remove(report)

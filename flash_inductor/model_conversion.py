@@ -3,6 +3,7 @@ normalization layers and modules the user keeps in fp32 (those get fp32 input/ou
 The fp32 values of the cast parameters become their masters."""
 
 import fnmatch
+import re
 import warnings
 
 import torch
@@ -16,10 +17,23 @@ NORM_LAYERS = (
     nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
 )
 
+# Class names of other libraries' normalization layers: Hugging Face's LlamaRMSNorm, T5LayerNorm,
+# Qwen2RMSNorm, apex's FusedLayerNorm, BatchNorm2d-like names. Not "Normalizer" or "NormHead".
+_NORM_CLASS_NAME = re.compile(r"Norm([123]d)?$")
+
+
+def is_norm_layer(module):
+    """A torch normalization layer, or a module of another library that looks like one: its class
+    name ends in ``Norm`` (or ``Norm1d``/``2d``/``3d``) and it has parameters of its own, all 1-D
+    (a per-channel weight and bias). A 2-D weight means a projection, whatever the name."""
+    if isinstance(module, NORM_LAYERS):
+        return True
+    params = list(module.parameters(recurse=False))
+    return bool(_NORM_CLASS_NAME.search(type(module).__name__)) and bool(params) and all(p.dim() == 1 for p in params)
 
 
 def keeps_fp32(name, module, patterns):
-    return isinstance(module, NORM_LAYERS) or any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+    return is_norm_layer(module) or any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
 
 
 # parameter -> its fp32 value before ``prepare`` cast it, for trainable parameters the preparing

@@ -95,8 +95,9 @@ def init_state(optimizer, record, group, p):
             state[key] = new_state(record, p, kind, None if existing is None else existing.float())
 
 
-def new_state(record, param, kind, value=None):
-    """The stored form of one optimizer state of ``param`` (zeros when ``value`` is None).
+def new_state(record, param, kind, value=None, saved_scales=None):
+    """The stored form of one optimizer state of ``param`` (zeros when ``value`` is None; 8-bit
+    states of a checkpoint's decoded ``value`` are encoded with its ``saved_scales``, if any).
 
     For a sharded parameter: the local shard's state as a DTensor like ``param``; whether it is
     quantized depends on the whole parameter's size, as without sharding."""
@@ -104,8 +105,10 @@ def new_state(record, param, kind, value=None):
     shard, value = sharded.local(param), sharded.local(value)
     if value is not None:
         value = value.to(shard.device)
-    if quantize:
-        state = CompandedState.zeros(shard, kind) if value is None else CompandedState.encode(value, kind, shard.dtype)
+    if quantize and value is not None:
+        state = CompandedState.encode(value, kind, shard.dtype, saved_scales=sharded.local(saved_scales))
+    elif quantize:
+        state = CompandedState.zeros(shard, kind)
     else:
         state = Fp32State.zeros(shard) if value is None else Fp32State.encode(value, shard.dtype)
     return sharded.like(param, state)

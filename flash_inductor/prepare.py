@@ -44,7 +44,10 @@ def prepare(
 
     - Floating-point parameters become bf16, except normalization layers and modules whose names
       match a pattern in ``keep_fp32`` (fnmatch, e.g. ``"lm_head"`` or ``"*.norm*"``): those stay
-      fp32, with their inputs cast to fp32 and outputs cast back. Already-bf16/fp16 models keep
+      fp32, with their inputs cast to fp32 and outputs cast back. Normalization layers are torch's
+      (``nn.LayerNorm``, ``nn.RMSNorm``, batch/group/instance norms) and any module whose class name
+      ends in ``Norm`` (or ``Norm1d``/``2d``/``3d``) with parameters of its own that are all 1-D,
+      such as Hugging Face's ``LlamaRMSNorm`` or ``T5LayerNorm``. Already-bf16/fp16 models keep
       their dtype.
     - Each bf16/fp16 parameter gets an error term: int8 for ``master_weight_bits=24``, int16 for
       32, none for None. An fp32 parameter's value becomes the master (nothing is lost).

@@ -174,6 +174,11 @@ def test_default_state_dict_is_a_stock_torch_state_dict(name):
             keys.add("error_term")
             assert entries["error_term"].dtype == torch.int8
             assert torch.equal(entries["error_term"], record.error_term(p))
+        if p.numel() >= 4096:  # 8-bit states: their fp16 group scales too
+            keys.add("group_scales")
+            assert entries["group_scales"].keys() == STATE_KEYS[name].keys()
+            for key, scales in entries["group_scales"].items():
+                assert scales.dtype == torch.float16 and torch.equal(scales, opt.state[p][key].scales)
         assert set(entries) == keys, names[index]
         for key in STATE_KEYS[name]:
             value = entries[key]
@@ -238,6 +243,50 @@ def test_default_state_dict_round_trips_into_a_fresh_optimizer(name):
     # Re-encoding decoded codes reproduces them: the stored bits are those of the saved optimizer.
     assert_same_bits(stored_bits(model2, opt2), want)
     assert isinstance(opt2.param_groups[0]["lr"], torch.Tensor)
+
+
+def test_decoded_state_dict_gives_back_the_codes_of_groups_without_their_top_code():
+    """Tiny second moments have subnormal fp16 scales, and groups whose largest value decodes
+    below the scale (no top code 255). Encoding their decoded values afresh picks another scale
+    and moves every code of the group (Trainer resumes differed from step 4 on); the saved group
+    scales give back the very codes."""
+    model, opt = make("AdamW")
+    run(model, opt, [[g * 1e-4 for g in step] for step in grad_list(model, 3)])
+    state = opt.state[model.fc1.weight]["exp_avg_sq"]
+    assert (state.codes.amax(dim=1) < 255).any() and (state.scales < 2.0**-14).all()  # the case
+    want = stored_bits(model, opt)
+    sd = roundtrip(opt.state_dict())
+
+    model2, opt2 = make("AdamW", seed=1)
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(sd)
+    assert_same_bits(stored_bits(model2, opt2), want)
+
+    # Values the saved scales do not reproduce (a stock optimizer stepped after loading the dict)
+    # are encoded afresh, as without the scales.
+    for entries in sd["state"].values():
+        if "exp_avg_sq" in entries:
+            entries["exp_avg_sq"] = entries["exp_avg_sq"] * 3
+    without = copy.deepcopy(sd)
+    for entries in without["state"].values():
+        entries.pop("group_scales", None)
+    model3, opt3 = make("AdamW", seed=1)
+    model4, opt4 = make("AdamW", seed=1)
+    opt3.load_state_dict(sd)
+    opt4.load_state_dict(without)
+    assert_same_bits(stored_bits(model3, opt3), stored_bits(model4, opt4))
+
+
+def test_group_scales_of_another_size_are_refused_and_nothing_changes():
+    model, opt = make("AdamW")
+    run(model, opt, grad_list(model, 1))
+    sd = roundtrip(opt.state_dict())
+    sd["state"][0]["group_scales"]["exp_avg"] = sd["state"][0]["group_scales"]["exp_avg"][:-1]
+    before = stored_bits(model, opt)
+    refusal = r"saved \"group_scales\['exp_avg'\]\" of parameter 'fc1\.weight' is \[255\] torch\.float16, not 256"
+    with pytest.raises(ValueError, match=refusal):
+        opt.load_state_dict(sd)
+    assert_same_bits(stored_bits(model, opt), before)
 
 
 # -------------------------------------------------------------------------- (c) compressed form

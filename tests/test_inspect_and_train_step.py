@@ -1,5 +1,6 @@
 """Inspection reports and the train-step decorator, on one small model compiled once by Inductor."""
 
+import inspect
 import os
 
 import pytest
@@ -91,3 +92,48 @@ def test_dump_environment_variable_writes_every_graph(tmp_path, monkeypatch):
     f(torch.randn(4))
     (graph_dir,) = [d for d in tmp_path.iterdir() if d.is_dir()]
     assert "relu" in (graph_dir / "dynamo.captured.py").read_text()
+
+
+class Branching(nn.Module):
+    """A forward with a data-dependent Python branch, which Dynamo cannot put in one graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.float().sum().item() > 0:  # BREAK: .item() of a traced tensor
+            h = h * 2
+        return self.b(h)
+
+
+def _line_of(function, marker):
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if marker in line)
+
+
+def test_report_names_each_graph_break_with_its_reason_and_location():
+    torch.manual_seed(0)
+    model = Branching()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    @flash_inductor.train_step(model=model, optimizer=opt, compiler="eager")
+    def step(x, y):
+        loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()  # STEP: the prepared step runs as its own graph
+        opt.zero_grad()
+        return loss
+
+    report = flash_inductor.inspect(step, torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, 8))
+    assert [g.kind for g in report.graphs].count("model") >= 2  # the forward, split at the branch
+    here = os.path.abspath(__file__)
+    (branch,) = [b for b in report.graph_breaks if b.location == f"{here}:{_line_of(Branching.forward, '# BREAK')}"]
+    assert "Tensor.item()" in branch.headline and "capture_scalar_outputs" in branch.reason
+    assert f"graph break at {branch.location}: {branch.headline}" in report.summary()
+    # The deliberate break at the prepared optimizer step, at the line of the user's opt.step().
+    step_line = f"{here}:{_line_of(step, '# STEP')}"
+    assert any(b.location == step_line and "torch.compiler.disable" in b.reason for b in report.graph_breaks)
+    text = str(report)
+    assert f"==== graph break at {branch.location}\n{branch.reason}" in text

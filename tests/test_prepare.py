@@ -38,6 +38,48 @@ def test_fp32_model_becomes_bf16_except_norms_and_kept_names():
     torch.testing.assert_close(out.float(), original(x), atol=0.05, rtol=0.05)
 
 
+class LibraryRMSNorm(nn.Module):
+    """Another library's RMSNorm (as Hugging Face's LlamaRMSNorm): not an ``nn.RMSNorm``."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n) + 0.01 * torch.randn(n))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Normalizer(nn.Module):
+    """A projection whose class name starts like a norm layer's."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, n) / n**0.5)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+class MixingNorm(Normalizer):
+    """Named like a norm layer, but its 2-D weight makes it a projection."""
+
+
+def test_other_libraries_norm_layers_stay_fp32_and_projections_named_like_them_do_not():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), LibraryRMSNorm(64), Normalizer(64), MixingNorm(64))
+    original = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    flash_inductor.prepare(model, opt, compile_options=EAGER)
+    record = roles.PREPARED[opt]
+    assert model[1].weight.dtype == torch.float32 and record.error_term(model[1].weight) is None
+    for module in (model[0], model[2], model[3]):
+        assert module.weight.dtype == torch.bfloat16 and record.error_term(module.weight) is not None
+    x = torch.randn(4, 64)
+    out = model(x.bfloat16())
+    assert out.dtype == torch.bfloat16  # the fp32 norm's output is cast back
+    torch.testing.assert_close(out.float(), original(x), atol=0.05, rtol=0.05)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_models_keep_their_dtype_and_gain_masters(dtype):
     torch.manual_seed(0)

@@ -218,6 +218,41 @@ def test_one_cycle_lr_changing_sgd_momentum_every_step_names_momentum_and_the_fi
             sched.step()
 
 
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_a_zero_lr_step_leaves_the_weights_and_advances_the_states_like_stock(cls):
+    """A warmup's first step (lr 0: Trainer's default linear schedule with warmup) with gradients
+    that are zero in places (embedding rows not in the batch): stock torch leaves every weight as it
+    is and advances the states. The bucket optimizers run Adam's capturable form, which wrote nan
+    where the second moment was 0 (0 / -0; pytorch #126514): a Trainer run trained on nan."""
+    torch.manual_seed(0)
+    model = Net()  # 8-bit and fp32 states, bf16 weights and the fp32 LayerNorm: three buckets
+    ref = copy.deepcopy(model)
+    opt, ref_opt = cls(model.parameters(), lr=0.0, weight_decay=0.1), cls(ref.parameters(), lr=0.0, weight_decay=0.1)
+    flash_inductor.prepare(model, opt, compile_options=EAGER)
+    before, ref_before = stored_bits(model, opt), copy.deepcopy(ref.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        g = torch.randn(p.shape, generator=gen).bfloat16()
+        g.view(-1)[::3] = 0
+        p.grad, rp.grad = g.to(p.dtype), g.to(rp.dtype)
+    opt.step()
+    ref_opt.step()
+    after = stored_bits(model, opt)
+    assert all(torch.equal(ref.state_dict()[k], v) for k, v in ref_before.items())  # the reference: no weight moves
+    weights = [k for k in before if k in dict(model.named_parameters()) or k.endswith(".error")]
+    assert len(weights) == 8 and all(torch.equal(after[k], before[k]) for k in weights)
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        assert float(opt.state[p]["step"]) == 1
+        for key in ("exp_avg", "exp_avg_sq"):
+            got, want = opt.state[p][key].decode(), ref_opt.state[rp][key]
+            assert want.abs().max() > 0 and (got - want).abs().max() <= 0.01 * want.abs().max(), key
+    opt.param_groups[0]["lr"].fill_(1e-2)  # as a scheduler does after the warmup step
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(torch.isfinite(p).all() and not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 # ------------------------------------------------------------------ 9. parameters prepare did not see coming
 
 

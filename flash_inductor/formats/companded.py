@@ -82,23 +82,50 @@ def encode(x, kind):
 
     ``kind`` is ``SIGNED`` (x any sign) or ``SQRT`` (x is a second moment, >= 0).
     """
+    values = _coded_values(x, kind)
+    scale16, scale = _scales(values)
+    return _codes(values, scale, kind).view(-1), scale16
+
+
+def encode_with_saved_scales(x, kind, saved_scales):
+    """``encode(x, kind)``, except in each group whose values are exactly the decode of codes
+    against its saved fp16 scale (``saved_scales``, one per group, as ``state_dict`` saved them
+    with the decoded values): that group gets those codes and that scale back.
+
+    Decoded values alone do not always give back their codes: a group without its top code (its
+    largest value decodes below the scale, as happens with subnormal fp16 scales, i.e. tiny
+    second moments) encodes afresh against its smaller decoded absmax, another fp16 scale, and
+    every code of the group moves. A group the saved scale does not reproduce (other values, a
+    stale or non-finite scale) is encoded afresh.
+    """
+    codes, scales = encode(x, kind)
+    saved = saved_scales.to(device=scales.device, dtype=torch.float16).view(-1)
+    saved_codes = _codes(_coded_values(x, kind), saved.float().view(-1, 1), kind)
+    decoded = decode(saved_codes, saved, saved_codes.shape, kind)
+    exact = (decoded == _groups(x)).all(dim=1) & torch.isfinite(saved) & (saved >= 0)
+    codes = torch.where(exact.view(-1, 1), saved_codes, codes.view(-1, GROUP_SIZE))
+    return codes.view(-1), torch.where(exact, saved, scales)
+
+
+def _coded_values(x, kind):
+    """The fp32 groups the codes store: ``x`` itself (signed) or ``sqrt(x)`` (second moments)."""
     if kind == SIGNED:
-        groups = _groups(x)
-        scale16, scale = _scales(groups)
-        u = _over_scale(groups, scale)
-        y = 2 * u / (1 + u.abs())
-        codes = torch.floor(127 * y + 0.5).clamp(-127, 127).to(torch.int8)
-    elif kind == SQRT:
+        return _groups(x)
+    if kind == SQRT:
         # A second square root rather than the optimizer's own ``v.sqrt()``: sharing that one (a
         # select after it) made the fused H200 step kernel 3.3x slower, likely by keeping it live
         # across the group reduction (benchmarks/results/optimizer_step_sqrt_reuse_h200.log).
-        groups = _groups(x).clamp(min=0).sqrt()
-        scale16, scale = _scales(groups)
-        u = _over_scale(groups, scale)
-        codes = torch.floor(255 * u + 0.5).clamp(0, 255).to(torch.uint8)
-    else:
-        raise ValueError(f"unknown companded state kind {kind!r}; expected {SIGNED!r} or {SQRT!r}")
-    return codes.view(-1), scale16
+        return _groups(x).clamp(min=0).sqrt()
+    raise ValueError(f"unknown companded state kind {kind!r}; expected {SIGNED!r} or {SQRT!r}")
+
+
+def _codes(values, scale, kind):
+    """Codes of fp32 ``values`` [groups, 32] against fp32 ``scale`` [groups, 1]."""
+    u = _over_scale(values, scale)
+    if kind == SIGNED:
+        y = 2 * u / (1 + u.abs())
+        return torch.floor(127 * y + 0.5).clamp(-127, 127).to(torch.int8)
+    return torch.floor(255 * u + 0.5).clamp(0, 255).to(torch.uint8)
 
 
 def decode(codes, scales, shape, kind):

@@ -108,9 +108,14 @@ class CompandedState(StateTensor):
         return (self.kind,)
 
     @classmethod
-    def encode(cls, x, kind, dtype=None):
-        """A new state holding ``x``; it presents as ``dtype`` (default: x's)."""
-        codes, scales = companded.encode(x, kind)
+    def encode(cls, x, kind, dtype=None, saved_scales=None):
+        """A new state holding ``x``; it presents as ``dtype`` (default: x's). ``saved_scales``:
+        the group scales a checkpoint saved with decoded values ``x``, which give back the codes
+        they were decoded from (``companded.encode_with_saved_scales``)."""
+        if saved_scales is None:
+            codes, scales = companded.encode(x, kind)
+        else:
+            codes, scales = companded.encode_with_saved_scales(x, kind, saved_scales)
         return cls(codes.view(-1, companded.GROUP_SIZE), scales, kind, shape=x.shape, dtype=dtype or x.dtype)
 
     @classmethod
