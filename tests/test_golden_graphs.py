@@ -44,7 +44,7 @@ class GraphModule(torch.nn.Module):
         sub: "f32[]cpu" = 1 - mul;  mul = None
         ne: "b8[]cpu" = torch.ne(l_optimizers_0_param_groups_0_lr_, 0)
         group0_bfloat16_8bit_moves: "b8[1, 1]cpu" = torch.logical_and(active_groups_0, ne);  ne = None
-        group0_bfloat16_8bit_master: "f32[1, 32]cpu" = flash_inductor_formats_split_weights_decode(p, group0_bfloat16_8bit_error)
+        group0_bfloat16_8bit_master: "f32[1, 32]cpu" = flash_inductor_formats_split_weights_decode_for_step(p, group0_bfloat16_8bit_error)
         group0_bfloat16_8bit_before: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.clone()
         mul_: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.mul_(sub);  sub = mul_ = None
         group0_bfloat16_8bit_momentum_buffer_fp32: "f32[1, 32]cpu" = flash_inductor_formats_state_tensor_decode(l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_momentum_buffer_, shape = (1, 32))
@@ -59,7 +59,7 @@ class GraphModule(torch.nn.Module):
         sub_: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.sub_(mul_1);  mul_1 = sub_ = None
         where_1: "f32[1, 32]cpu" = torch.where(group0_bfloat16_8bit_moves, group0_bfloat16_8bit_master, group0_bfloat16_8bit_before);  group0_bfloat16_8bit_moves = group0_bfloat16_8bit_before = None
         copy__1: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.copy_(where_1);  where_1 = copy__1 = None
-        store_1 = flash_inductor_formats_split_weights_store(p, group0_bfloat16_8bit_error, group0_bfloat16_8bit_master);  p = group0_bfloat16_8bit_error = group0_bfloat16_8bit_master = store_1 = None
+        store_from_step = flash_inductor_formats_split_weights_store_from_step(p, group0_bfloat16_8bit_error, group0_bfloat16_8bit_master);  p = group0_bfloat16_8bit_error = group0_bfloat16_8bit_master = store_from_step = None
         _set_grad_enabled_1 = torch._C._set_grad_enabled(True);  _set_grad_enabled_1 = None
         return ()""",
         )
@@ -79,7 +79,7 @@ class GraphModule(torch.nn.Module):
         sub: "f32[]cpu" = 1 - mul;  mul = None
         ne: "b8[]cpu" = torch.ne(l_optimizers_0_param_groups_0_lr_, 0)
         group0_bfloat16_8bit_moves: "b8[1, 1]cpu" = torch.logical_and(active_groups_0, ne);  ne = None
-        group0_bfloat16_8bit_master: "f32[1, 32]cpu" = flash_inductor_formats_split_weights_decode(p, group0_bfloat16_8bit_error)
+        group0_bfloat16_8bit_master: "f32[1, 32]cpu" = flash_inductor_formats_split_weights_decode_for_step(p, group0_bfloat16_8bit_error)
         group0_bfloat16_8bit_before: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.clone()
         mul_: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.mul_(sub);  sub = mul_ = None
         group0_bfloat16_8bit_exp_avg_fp32: "f32[1, 32]cpu" = flash_inductor_formats_state_tensor_decode(l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_exp_avg_, shape = (1, 32))
@@ -92,7 +92,7 @@ class GraphModule(torch.nn.Module):
         sub_: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.sub_(mul_2);  mul_2 = sub_ = None
         where_1: "f32[1, 32]cpu" = torch.where(group0_bfloat16_8bit_moves, group0_bfloat16_8bit_master, group0_bfloat16_8bit_before);  group0_bfloat16_8bit_moves = group0_bfloat16_8bit_before = None
         copy__1: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.copy_(where_1);  where_1 = copy__1 = None
-        store_1 = flash_inductor_formats_split_weights_store(p, group0_bfloat16_8bit_error, group0_bfloat16_8bit_master);  p = group0_bfloat16_8bit_error = group0_bfloat16_8bit_master = store_1 = None
+        store_from_step = flash_inductor_formats_split_weights_store_from_step(p, group0_bfloat16_8bit_error, group0_bfloat16_8bit_master);  p = group0_bfloat16_8bit_error = group0_bfloat16_8bit_master = store_from_step = None
         lerp_: "f32[1, 32]cpu" = group0_bfloat16_8bit_exp_avg_fp32.lerp_(group0_bfloat16_8bit_grad_fp32, 0.010000000000000009);  group0_bfloat16_8bit_grad_fp32 = lerp_ = None
         where: "f32[1, 32]cpu" = torch.where(active_groups_0, group0_bfloat16_8bit_exp_avg_fp32, group0_bfloat16_8bit_exp_avg_before);  active_groups_0 = group0_bfloat16_8bit_exp_avg_before = None
         copy_: "f32[1, 32]cpu" = group0_bfloat16_8bit_exp_avg_fp32.copy_(where);  where = copy_ = None
