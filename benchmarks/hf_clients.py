@@ -11,14 +11,16 @@ Dropout off, SDPA attention, no KV cache. Data: the Python standard library's ``
 bytes (train_gpt.py's corpus); a byte is its token id (every vocabulary here has 256 or more).
 
 Configurations (``--configs``):
-    baseline            fp32 params, torch AdamW (fused on CUDA), bf16 autocast; torch.compile(model)
+    baseline            fp32 params, torch AdamW (fused on CUDA), bf16 autocast
     flashoptim          @flash_inductor.train_step: bf16 + 24-bit split masters, 8-bit states
     flashoptim_fp8      flashoptim + FP8 (tensorwise) linears; embeddings and lm_head excluded
     flashoptim_release  flashoptim with gradient release (no clipping: it cannot clip globally)
     flashoptim_pypi     peer: the ``flashoptim`` package's FlashAdamW (24-bit) on a bf16 model
-                        (its cast_model); torch.compile(model); CUDA only
+                        (its cast_model); CUDA only
     torchao_float8      peer: torchao's convert_to_float8_training (lm_head excluded), fp32
-                        masters, fused AdamW, bf16 autocast; torch.compile(model); CUDA only
+                        masters, fused AdamW, bf16 autocast; CUDA only
+The flashoptim rows compile the whole step (train_step); the others compile the forward and the
+loss (``torch.compile``, Inductor) and run backward, clipping and the optimizer step eagerly.
 Peers are skipped with a note when their package is missing or does not apply. Every row: AdamW
 lr (``--lr``), betas (0.9, 0.95), weight decay 0.1, a linear warm-up over ``--lr-warmup`` steps
 then cosine decay to 10%, gradients clipped to norm ``--clip`` (``clip_grad_norm_`` in the step,
@@ -58,6 +60,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -141,13 +144,24 @@ def adamw_args(args):
     return dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def make_step(model, params, optimizer, use_autocast, clip):
-    """forward (``model``: compiled or not), backward, clipping to ``clip`` (0: none), step, zero_grad."""
+def loss_function(model, use_autocast):
+    """(x, y) -> the model's next-token loss, under bf16 autocast or not. The peers compile this
+    whole function, the loss with the model, as the flashoptim rows' train step does."""
+
+    def loss(x, y):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext():
+            return lm_loss(model, x, y)
+
+    return loss
+
+
+def make_step(loss_fn, params, optimizer, clip):
+    """forward and loss (``loss_fn``: compiled or not), backward, clipping to ``clip`` (0: none),
+    the optimizer's step, zero_grad."""
     params = list(params)
 
     def step(x, y):
-        with torch.autocast(x.device.type, dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext():
-            loss = lm_loss(model, x, y)
+        loss = loss_fn(x, y)
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(params, clip)
@@ -158,13 +172,13 @@ def make_step(model, params, optimizer, use_autocast, clip):
     return step
 
 
-def compiled_model(model, args):
-    return model if args.no_inductor else torch.compile(model)
+def compiled(fn, args):
+    return fn if args.no_inductor else torch.compile(fn)
 
 
 def build_baseline(model, args):
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=args.device.startswith("cuda"))
-    step = make_step(compiled_model(model, args), model.parameters(), opt, True, args.clip)
+    step = make_step(compiled(loss_function(model, True), args), model.parameters(), opt, args.clip)
     return Setup(model, opt, step, autocast=True), args.clip
 
 
@@ -173,8 +187,8 @@ def build_flashoptim(model, args, gradient_release=False, **options):
     clip = 0 if gradient_release else args.clip
     if args.no_inductor:
         options["compiler"] = "eager"
-    step = flash_inductor.train_step(make_step(model, model.parameters(), opt, False, clip), model=model, optimizer=opt,
-                                     gradient_release=gradient_release, **options)
+    step = flash_inductor.train_step(make_step(loss_function(model, False), model.parameters(), opt, clip), model=model,
+                                     optimizer=opt, gradient_release=gradient_release, **options)
     return Setup(model, opt, step, record_fp8="fp8" in options), clip
 
 
@@ -197,7 +211,7 @@ def build_flashoptim_pypi(model, args):
         raise Skip("flashoptim's FlashAdamW needs CUDA (its quantized states and error bits are Triton kernels)")
     cast_model(model, dtype=torch.bfloat16)
     opt = FlashAdamW(model.parameters(), **adamw_args(args), master_weight_bits=24)
-    step = make_step(compiled_model(model, args), model.parameters(), opt, False, args.clip)
+    step = make_step(compiled(loss_function(model, False), args), model.parameters(), opt, args.clip)
     return Setup(model, opt, step, memory=peer_memory), args.clip
 
 
@@ -218,7 +232,7 @@ def build_torchao_float8(model, args):
         raise Skip("no nn.Linear to convert (GPT-2's projections are transformers' Conv1D, which torchao does not convert)")
     convert_to_float8_training(model, module_filter_fn=eligible)
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=True)
-    step = make_step(compiled_model(model, args), model.parameters(), opt, True, args.clip)
+    step = make_step(compiled(loss_function(model, True), args), model.parameters(), opt, args.clip)
     return Setup(model, opt, step, autocast=True, memory=peer_memory), args.clip
 
 
@@ -305,12 +319,14 @@ def targets(runs, num_params):
 def run_configuration(name, corpus, args, device, start_bytes):
     """Build, train and measure one configuration; what it allocated is freed by the caller."""
     cuda = device.type == "cuda"
+    starts = train_starts(len(corpus.train), args.steps, args.batch, args.seq, args.seed).to(device)
     release_memory(device)
     before = allocated(device)
     if cuda:
-        print(f"  allocated before: {before / 2**20:.1f} MiB (first row's start: {start_bytes / 2**20:.1f} MiB)")
+        left = before - start_bytes - starts.nbytes
+        print(f"  allocated before: {before / 2**20:.1f} MiB (first row's start: {start_bytes / 2**20:.1f} MiB"
+              + (f"; {left / 2**20:.1f} MiB left by an earlier row)" if abs(left) >= 2**20 else ")"))
         torch.cuda.reset_peak_memory_stats(device)
-    starts = train_starts(len(corpus.train), args.steps, args.batch, args.seq, args.seed).to(device)
     setup, clip, schedule = build(name, args, device)
     r = dict(clip=clip, train_loss=[], step_s=[], between_steps_bytes=[], fp8_decisions=None,
              allocated_before_bytes=before, startup_peak_bytes=None, steady_peak_bytes=None)
@@ -521,6 +537,7 @@ def merge(paths):
     results = None
     for path in paths:
         part = json.loads(pathlib.Path(path).read_text())
+        part.setdefault("failed", {})
         if results is None:
             results = part
         elif (part["info"]["model"], part["info"]["num_params"]) != (results["info"]["model"], results["info"]["num_params"]):
@@ -528,6 +545,7 @@ def merge(paths):
         else:
             results["runs"].update(part["runs"])
             results["skipped"].update(part["skipped"])
+            results["failed"].update(part["failed"])
     return results
 
 
@@ -538,8 +556,9 @@ def report(results, args):
     print_table(results["runs"], results["runs"].get("baseline"))
     for name, t in results["targets"].items():
         print(f"targets {name}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in t.items()))
-    for name, reason in results["skipped"].items():
-        print(f"skipped {name}: {reason}")
+    for kind in ("skipped", "failed"):
+        for name, reason in results.get(kind, {}).items():
+            print(f"{kind} {name}: {reason}")
     if args.plot:
         save_plots(results, args.plot, args.plot_prefix)
 
@@ -568,7 +587,7 @@ def main(argv=None):
     if device.type == "cuda":
         warm_up_cublas(device)
     start = allocated(device)
-    results = dict(info=info, runs={}, skipped={}, targets={})
+    results = dict(info=info, runs={}, skipped={}, failed={}, targets={})
     for name in args.configs.split(","):
         print(f"== {name}", flush=True)
         try:
@@ -579,6 +598,9 @@ def main(argv=None):
         except Skip as e:
             results["skipped"][name] = str(e)
             print(f"  skipped: {e}")
+        except Exception as e:  # noqa: BLE001 - a row that fails (out of memory, a compile error) must not end the others
+            results["failed"][name] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
         release_memory(device)
         write_json(results, args.out)  # after every configuration: a run cut short keeps what it measured
     if not args.snapshot:

@@ -69,6 +69,15 @@ def test_two_rows_train_and_report_every_field(bench, tmp_path, fresh_dynamo):
     assert target["speedup"] == pytest.approx(flash["tokens_per_s"] / base["tokens_per_s"])
     assert target["loss_ok"] == (abs(flash["last50_loss"] / base["last50_loss"] - 1) <= 0.01)
 
+    # A run made in parts (one row per file) merges into the same result, targets included.
+    parts = []
+    for name in ("baseline", "flashoptim"):
+        part = dict(results, runs={name: results["runs"][name]}, targets={})
+        parts.append(tmp_path / f"{name}.json")
+        parts[-1].write_text(json.dumps(part))
+    merged = bench.main(["--report-from", *map(str, parts), "--out", str(tmp_path / "merged.json")])
+    assert merged["runs"] == results["runs"] and merged["targets"] == results["targets"]
+
 
 def test_every_row_starts_from_the_same_weights(bench, fresh_dynamo):
     args = bench.parse_args(["--model", "llama", "--size", "tiny", "--device", "cpu", "--no-inductor"])
