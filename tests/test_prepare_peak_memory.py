@@ -30,14 +30,13 @@ def _allocations_in(prof, scope):
 
 
 @pytest.mark.parametrize("gradient_release", [False, True])
-def test_prepare_peaks_below_the_fp32_model_and_its_bf16_copy(monkeypatch, gradient_release):
+def test_prepare_peaks_at_the_stored_bytes_and_one_gradient_buffer(monkeypatch, gradient_release):
     """Built inside the profiled region, every byte is counted (the fp32 model's frees too), and
-    ``prepare``'s most is measured above the fp32 model (4 B/param). It holds the fp32 values and their bf16 copy at once (6 B/param) while
-    converting, and after that never more than the stored bytes with one flat gradient buffer
-    (7.125 B/param, the transient before the buffer is released), plus one chunk's temporaries.
-    Before the flat buffers were laid out one kind at a time and the masters split in chunks it
-    reached 14.25 B/param: all per-parameter tensors next to all flat buffers, and a whole
-    parameter's fp32 temporaries."""
+    ``prepare``'s most is measured above the fp32 model (4 B/param): at most the stored bytes with
+    one flat gradient buffer (7.125 B/param, before that buffer is released) plus one chunk's
+    temporaries. Before the flat buffers were laid out one kind at a time and the masters split in
+    chunks it reached 14.25 B/param: every per-parameter tensor next to every flat buffer, and a
+    whole parameter's fp32 temporaries."""
     monkeypatch.setattr(prepare_module, "ENCODE_CHUNK", 1 << 14)
     torch.manual_seed(0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
