@@ -25,6 +25,11 @@
 #   blocks     issue 13: the hand-written step's GPU tests, and its launch shapes (groups per program, warps)
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
 #              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
+#   hfgpt2     issue 14: Hugging Face GPT-2 124M, 300 steps, every row of hf_clients.py, with plots
+#   hfllama    issue 14: Hugging Face Llama ~1B (context 4096), 300 steps: baseline, flashoptim, flashoptim + FP8
+#   hfllamapeers  the Llama's other rows: gradient release, FlashOptim 0.1.4, torchao float8
+#   hfsnapshot issue 14: who holds the memory between steps, HF GPT-2 124M: baseline and flashoptim
+#   gptsnapshot   the same for our GPT (train_gpt.py's, 124m shape): flashoptim
 set -uo pipefail
 stage=$1
 out=${2:-${OUT:-benchmarks/results}}
@@ -132,6 +137,23 @@ case $stage in
       | tee "$out/release_memory_diag_flat_h200.log"
     timeout 240 python benchmarks/compile_time.py --device cuda --shape 2048 --counts 4,64 \
       --out "$out/compile_time_h200.json" 2>&1 | tee "$out/compile_time_h200.log"
+    ;;
+  hfgpt2)
+    logged hf_clients_gpt2_h200 570 hf_clients.py --model gpt2 --plot "$out"
+    ;;
+  hfllama)
+    logged hf_clients_llama_h200 570 hf_clients.py --model llama --configs baseline,flashoptim,flashoptim_fp8 --plot "$out"
+    ;;
+  hfllamapeers)
+    logged hf_clients_llama_more_h200 570 hf_clients.py --model llama \
+      --configs flashoptim_release,flashoptim_pypi,torchao_float8
+    ;;
+  hfsnapshot)
+    # at most 8 files come back from a device call: 2 rows x (txt, json, pickle) + json + log
+    logged hf_snapshot_gpt2_h200 500 hf_clients.py --model gpt2 --configs baseline,flashoptim --snapshot "$out"
+    ;;
+  gptsnapshot)
+    logged hf_snapshot_gpt_h200 300 hf_clients.py --model gpt --configs flashoptim --snapshot "$out"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -91,14 +91,24 @@ class Bucket:
             self.name += f"_{device.type}{device.index}"
         if not trainable:
             self.name += "_frozen"
+        # One kind of flat buffer at a time, each parameter's own tensor freed as it moves in: prepare's
+        # peak stays near the stored bytes (all per-parameter and all flat buffers at once were 2x).
         zeros = lambda dtype: torch.zeros(offset, dtype=dtype, device=first.device)  # noqa: E731
         self.weights = zeros(first.dtype)
+        for p in params:
+            self._adopt_weights(p)
         error = record.error_term(first)
         self.errors = None if error is None else zeros(error.dtype)
-        self.grads = zeros(first.dtype)
-        self.grad_views = [self.segments[p].of(self.grads) for p in params]
+        for p in params:
+            self._adopt_error(record, p)
         layout = record.layout(optimizer.param_groups[group_index])
-        self.states = {key: _flat_state(optimizer.state[first][key], self.num_groups) for key in layout.quantized}
+        self.states = {}
+        for key in layout.quantized:
+            self.states[key] = _flat_state(optimizer.state[first][key], self.num_groups)
+            for p in params:
+                self._adopt_state(optimizer, key, p)
+        self.grads = zeros(first.dtype)  # released below: storage from the first gradient on (hold_gradients)
+        self.grad_views = [self.segments[p].of(self.grads) for p in params]
         # Without the flat step (gradient release updates each parameter alone, on its views) step
         # counts stay the parameters' own tensors, and there is no bucket optimizer.
         self.counts_steps = layout.step and flat_step
@@ -109,35 +119,41 @@ class Bucket:
         self._tensor_hyperparameters = {}  # key -> the fp32 tensors the bucket optimizer's group holds
         self._first_hyperparameters = {}  # key -> its value at the first step
         self.optimizer = None  # the bucket optimizer, made once the storage is in place
-        for p in params:
-            self.adopt(optimizer, record, p)
         self.adopt_steps(optimizer)
         self.optimizer = _bucket_optimizer(optimizer, record, self) if flat_step else None
-        self.release_gradients()  # storage from the first gradient on (hold_gradients)
+        self.release_gradients()
 
     # ------------------------------------------------------------------ storage
     def adopt(self, optimizer, record, p):
         """Copy ``p``'s value, error term and states into its segment and make them views of it.
         Values already there (views of this bucket) are left alone."""
-        segment = self.segments[p]
-        weights = segment.of(self.weights)
+        self._adopt_weights(p)
+        self._adopt_error(record, p)
+        for key in self.states:
+            self._adopt_state(optimizer, key, p)
+
+    def _adopt_weights(self, p):
+        weights = self.segments[p].of(self.weights)
         if p.data.data_ptr() != weights.data_ptr():
             weights.copy_(p.detach())
             p.data = weights
+
+    def _adopt_error(self, record, p):
         if self.errors is not None:
-            errors = segment.of(self.errors)
+            errors = self.segments[p].of(self.errors)
             if record.error_terms[p].data_ptr() != errors.data_ptr():
                 errors.copy_(record.error_terms[p])
                 record.error_terms[p] = errors
+
+    def _adopt_state(self, optimizer, key, p):
         state = optimizer.state[p]
-        for key, flat in self.states.items():
-            view = self.state_view(key, p)
-            current = state.get(key)
-            if current is None:
-                view.copy_(type(view).zeros(view, **_kind(view)))
-            elif not _same_storage(current, view):
-                view.copy_(current)
-            state[key] = view
+        view = self.state_view(key, p)
+        current = state.get(key)
+        if current is None:
+            view.copy_(type(view).zeros(view, **_kind(view)))
+        elif not _same_storage(current, view):
+            view.copy_(current)
+        state[key] = view
 
     def adopt_steps(self, optimizer):
         """The step counts of ``optimizer.state[p]["step"]`` into the bucket, which they then view.
@@ -306,7 +322,7 @@ def _flat_state(example, num_groups):
     """The all-zero flat state of ``num_groups`` groups, in the format of the per-parameter ``example``."""
     shape = (num_groups, GROUP)
     if isinstance(example, CompandedState):
-        like = torch.empty(shape, dtype=example.dtype, device=example.device)
+        like = torch.empty((), dtype=example.dtype, device=example.device).expand(shape)  # its shape, not its bytes
         return CompandedState.zeros(like, example.kind)
     if isinstance(example, Fp32State):
         return Fp32State(torch.zeros(shape, dtype=torch.float32, device=example.device), shape=shape, dtype=example.dtype)

@@ -139,10 +139,28 @@ def prepare_group(optimizer, record, group, masters, names):
             p.data = p.data.contiguous()
         if lo_dtype is not None and p.dtype in (torch.bfloat16, torch.float16):
             # Per local shard for a sharded (DTensor) parameter: see flash_inductor/sharded.py.
-            hi, lo = split_weights.encode(sharded.local(master).float().contiguous(), p.dtype, lo_dtype)
-            sharded.local(p.detach()).copy_(hi)
+            lo = _encode_into(sharded.local(master), sharded.local(p.detach()), lo_dtype)
             record.error_terms[p] = sharded.like(p, lo)
         init_state(optimizer, record, group, p)
+
+
+# Elements ``prepare`` encodes at once: ``split_weights.encode``'s fp32 temporaries take ~40 bytes per
+# element, for a whole 50257 x 768 embedding 1.5 GB, more than the stored bytes of all of GPT-2.
+ENCODE_CHUNK = 1 << 20
+
+
+def _encode_into(master, hi, lo_dtype):
+    """Split fp32 ``master`` into ``hi`` (written in place: the parameter) and the returned error term,
+    a block of rows at a time (the split is elementwise, so the bits are those of one call)."""
+    lo = torch.empty(hi.shape, dtype=lo_dtype, device=hi.device)
+    rows_of = (lambda t: t.unsqueeze(0)) if hi.dim() == 0 else (lambda t: t)  # noqa: E731
+    master, hi_rows, lo_rows = rows_of(master), rows_of(hi), rows_of(lo)
+    step = max(1, ENCODE_CHUNK // max(1, hi_rows[0].numel()))
+    for start in range(0, hi_rows.shape[0], step):
+        h, e = split_weights.encode(master[start:start + step].float().contiguous(), hi.dtype, lo_dtype)
+        hi_rows[start:start + step].copy_(h)
+        lo_rows[start:start + step].copy_(e)
+    return lo
 
 
 def _install_prepared_methods(optimizer):

@@ -1,0 +1,614 @@
+"""Real models as clients (issue 14): Hugging Face GPT-2 and Llama, built from a config (random init,
+no download), trained through ``@flash_inductor.train_step`` and the peers, one configuration after
+another in one process, each from the same initial weights on the same batches.
+
+Models (``--model``; ``--size tiny`` gives a CPU-sized model of the same kind):
+    gpt2   GPT2LMHeadModel, GPT-2 small (124M: 12 x 768, vocabulary 50257, tied lm_head, Conv1D)
+    llama  LlamaForCausalLM from a LlamaConfig: hidden 2048, 16 layers, MLP 5632, 32 heads, vocabulary
+           32000, context 4096 (953M parameters)
+    gpt    benchmarks/train_gpt.py's own GPT, 124m shape (86M with its 256-byte vocabulary)
+Dropout off, SDPA attention, no KV cache. Data: the Python standard library's ``*.py`` files as
+bytes (train_gpt.py's corpus); a byte is its token id (every vocabulary here has 256 or more).
+
+Configurations (``--configs``):
+    baseline            fp32 params, torch AdamW (fused on CUDA), bf16 autocast
+    flashoptim          @flash_inductor.train_step: bf16 + 24-bit split masters, 8-bit states
+    flashoptim_fp8      flashoptim + FP8 (tensorwise) linears; embeddings and lm_head excluded
+    flashoptim_release  flashoptim with gradient release (no clipping: it cannot clip globally)
+    flashoptim_pypi     peer: the ``flashoptim`` package's FlashAdamW (24-bit) on a bf16 model
+                        (its cast_model); CUDA only
+    torchao_float8      peer: torchao's convert_to_float8_training (lm_head excluded), fp32
+                        masters, fused AdamW, bf16 autocast; CUDA only
+The flashoptim rows compile the whole step (train_step); the others compile the forward and the
+loss (``torch.compile``, Inductor) and run backward, clipping and the optimizer step eagerly.
+Peers are skipped with a note when their package is missing or does not apply. Every row: AdamW
+lr (``--lr``), betas (0.9, 0.95), weight decay 0.1, a linear warm-up over ``--lr-warmup`` steps
+then cosine decay to 10%, gradients clipped to norm ``--clip`` (``clip_grad_norm_`` in the step,
+before ``opt.step()``; also for prepared optimizers, whose gradients are views of the flat buffer).
+
+Measured per row: first-step seconds (compile), median step ms after ``--warmup`` steps and
+tokens/s; on CUDA: the start-up peak (``max_memory_allocated`` over the warm-up steps, build and
+compile included), the steady-state peak (peak statistics reset after the warm-up, max over the
+timed steps), the bytes allocated between steps (after ``zero_grad``, synchronized; their
+maximum over the timed steps), all above the allocation before the row; ``memory_report``'s bytes
+by component; the loss of every step and the mean of the last 50. Between rows everything is freed
+(``torch._dynamo.reset()``, ``empty_cache``) and the allocation is checked against the first
+row's starting point.
+
+    python benchmarks/hf_clients.py --model gpt2 --size tiny --steps 20 --device cpu     # CPU smoke run
+    python benchmarks/hf_clients.py --model gpt2 --out benchmarks/results/hf_clients_gpt2_h200.json
+    python benchmarks/hf_clients.py --model llama --configs baseline,flashoptim,flashoptim_fp8 \\
+        --out benchmarks/results/hf_clients_llama_h200.json
+    python benchmarks/hf_clients.py --model gpt2 --configs flashoptim --snapshot benchmarks/results/snapshots
+
+``--snapshot DIR`` (CUDA): instead of training, each configuration records the allocator's history
+over build (prepare) + 3 steps and writes what is alive between steps, grouped by the code that
+allocated it (``analyse_snapshot``), compared with ``memory_report`` and with the tensors Python
+can reach (``gc``): ``DIR/{model}_{config}_snapshot.txt`` and ``.json``, plus the raw snapshot
+``.pickle`` when it is under 15 MiB (for https://pytorch.org/memory_viz).
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import pathlib
+import pickle
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+import flash_inductor
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from snapshot_analysis import analyse_snapshot, format_analysis, live_blocks, python_tensor_storages  # noqa: E402
+from train_gpt import (  # noqa: E402
+    GPT,
+    Setup,
+    Skip,
+    batch,
+    first_step_recording_fp8,
+    git_commit,
+    load_corpus,
+    peer_memory,
+    release_memory,
+    timing,
+    train_starts,
+    write_json,
+)
+from train_gpt import SIZES as GPT_SIZES  # noqa: E402
+
+try:
+    import transformers
+except ImportError:  # only --model gpt runs without it
+    transformers = None
+
+# ---------------------------------------------------------------------------------------- models
+
+# model -> {size: (defaults: batch, seq, lr)}; shapes in build_model
+DEFAULTS = {
+    "gpt2": {"full": (8, 1024, 6e-4), "tiny": (4, 64, 3e-3)},
+    "llama": {"full": (2, 4096, 3e-4), "tiny": (4, 64, 3e-3)},
+    "gpt": {"full": (16, 1024, 6e-4), "tiny": (4, 64, 3e-3)},
+}
+# Module-name patterns of the FP8 rows' excluded layers (the first and last: embeddings, lm_head;
+# GPT-2's lm_head is the token embedding's weight, tied).
+FP8_EXCLUDE = {"gpt2": ("transformer.wte", "lm_head"), "llama": ("lm_head",), "gpt": ("tok_embed", "pos_embed", "lm_head")}
+
+
+def model_config(name, size, seq):
+    """The model's config: a transformers config, or train_gpt's GPTConfig for ``gpt``."""
+    if name == "gpt":
+        return dataclasses.replace(GPT_SIZES["124m" if size == "full" else "tiny"][0], seq=seq)
+    if transformers is None:
+        raise SystemExit(f"--model {name} needs transformers (pip install -e '.[clients]')")
+    common = dict(use_cache=False, attn_implementation="sdpa")
+    if name == "gpt2":
+        shape = {} if size == "full" else dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2Config(**shape, n_positions=max(seq, 1024 if size == "full" else seq),
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    shape = (dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32, vocab_size=32000)
+             if size == "full" else
+             dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=1000, bos_token_id=0, eos_token_id=0))
+    return transformers.LlamaConfig(**shape, max_position_embeddings=seq, **common)
+
+
+def build_model(name, config):
+    if name == "gpt":
+        return GPT(config)
+    return (transformers.GPT2LMHeadModel if name == "gpt2" else transformers.LlamaForCausalLM)(config)
+
+
+def vocab_size(name, config):
+    return config.vocab if name == "gpt" else config.vocab_size
+
+
+def lm_loss(model, x, y):
+    out = model(x)
+    logits = getattr(out, "logits", out)  # a transformers ModelOutput, or train_gpt's GPT's tensor
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+# ------------------------------------------------------------------------------- configurations
+
+
+def adamw_args(args):
+    return dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def loss_function(model, use_autocast):
+    """(x, y) -> the model's next-token loss, under bf16 autocast or not. The peers compile this
+    whole function, the loss with the model, as the flashoptim rows' train step does."""
+
+    def loss(x, y):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext():
+            return lm_loss(model, x, y)
+
+    return loss
+
+
+def make_step(loss_fn, params, optimizer, clip):
+    """forward and loss (``loss_fn``: compiled or not), backward, clipping to ``clip`` (0: none),
+    the optimizer's step, zero_grad."""
+    params = list(params)
+
+    def step(x, y):
+        loss = loss_fn(x, y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def compiled(fn, args):
+    return fn if args.no_inductor else torch.compile(fn)
+
+
+def build_baseline(model, args):
+    opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=args.device.startswith("cuda"))
+    step = make_step(compiled(loss_function(model, True), args), model.parameters(), opt, args.clip)
+    return Setup(model, opt, step, autocast=True), args.clip
+
+
+def build_flashoptim(model, args, gradient_release=False, **options):
+    opt = torch.optim.AdamW(model.parameters(), **adamw_args(args))
+    clip = 0 if gradient_release else args.clip
+    if args.no_inductor:
+        options["compiler"] = "eager"
+    step = flash_inductor.train_step(make_step(loss_function(model, False), model.parameters(), opt, clip), model=model,
+                                     optimizer=opt, gradient_release=gradient_release, **options)
+    return Setup(model, opt, step, record_fp8="fp8" in options), clip
+
+
+def build_flashoptim_fp8(model, args):
+    # A tiny model's weights are all under the backend's fp8_min_weight_numel: there, every eligible one.
+    small = {"fp8_min_weight_numel": 0} if args.size == "tiny" else {}
+    return build_flashoptim(model, args, fp8="tensorwise", fp8_exclude=FP8_EXCLUDE[args.model], **small)
+
+
+def build_flashoptim_release(model, args):
+    return build_flashoptim(model, args, gradient_release=True)
+
+
+def build_flashoptim_pypi(model, args):
+    try:
+        from flashoptim import FlashAdamW, cast_model
+    except ImportError as e:
+        raise Skip(f"package flashoptim not importable ({e})") from None
+    if not args.device.startswith("cuda"):
+        raise Skip("flashoptim's FlashAdamW needs CUDA (its quantized states and error bits are Triton kernels)")
+    cast_model(model, dtype=torch.bfloat16)
+    opt = FlashAdamW(model.parameters(), **adamw_args(args), master_weight_bits=24)
+    step = make_step(compiled(loss_function(model, False), args), model.parameters(), opt, args.clip)
+    return Setup(model, opt, step, memory=peer_memory), args.clip
+
+
+def build_torchao_float8(model, args):
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as e:
+        raise Skip(f"torchao.float8 not importable ({e})") from None
+    if not args.device.startswith("cuda"):
+        raise Skip("torchao float8 training needs a CUDA GPU with FP8 tensor cores (sm_89+)")
+    excluded = FP8_EXCLUDE[args.model]
+
+    def eligible(module, name):
+        return not any(name.startswith(e) for e in excluded) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and eligible(m, n)]
+    if not linears:
+        raise Skip("no nn.Linear to convert (GPT-2's projections are transformers' Conv1D, which torchao does not convert)")
+    convert_to_float8_training(model, module_filter_fn=eligible)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=True)
+    step = make_step(compiled(loss_function(model, True), args), model.parameters(), opt, args.clip)
+    return Setup(model, opt, step, autocast=True, memory=peer_memory), args.clip
+
+
+CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args) -> (Setup, clip norm or 0)
+    "baseline": build_baseline,
+    "flashoptim": build_flashoptim,
+    "flashoptim_fp8": build_flashoptim_fp8,
+    "flashoptim_release": build_flashoptim_release,
+    "flashoptim_pypi": build_flashoptim_pypi,
+    "torchao_float8": build_torchao_float8,
+}
+
+
+def lr_factor(step, warmup, total, floor=0.1):
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``floor`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build(name, args, device):
+    """The configuration's Setup, its clip norm and its LR schedule, from the same initial weights."""
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = build_model(args.model, args.config)
+    setup, clip = CONFIGURATIONS[name](model, args)
+    schedule = torch.optim.lr_scheduler.LambdaLR(setup.optimizer, lambda s: lr_factor(s, args.lr_warmup, args.steps))
+    return setup, clip, schedule
+
+
+# ---------------------------------------------------------------------------------------- memory
+
+
+def memory_components(setup):
+    """Bytes by component: ``memory_report`` (gradients: what they take when held), a peer's own."""
+    if setup.memory is not None:
+        return dict(setup.memory(setup.model, setup.optimizer))
+    return dict(flash_inductor.memory_report(setup.model, setup.optimizer).bytes)
+
+
+def allocated(device):
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def warm_up_cublas(device):
+    """cuBLAS's workspaces (one per thread that runs a GEMM: ours and autograd's) are allocated at the
+    first matmul and kept; made here, they are part of every row's starting allocation."""
+    a = torch.randn(64, 64, device=device, requires_grad=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        (a.to(dtype) @ a.to(dtype)).float().sum().backward()
+    a.grad = None
+
+
+def targets(runs, num_params):
+    """Issue 14's targets, per flashoptim row, against the baseline row (None where not measured)."""
+    base = runs.get("baseline")
+    if base is None:
+        return {}
+    saving = 0.9 * (16 - 7.13) * num_params
+    out = {}
+    for name, r in runs.items():
+        if not name.startswith("flashoptim") or name == "flashoptim_pypi":
+            continue
+        t = {}
+        if r["steady_peak_bytes"] is not None:
+            t["steady_peak_at_most_bytes"] = base["steady_peak_bytes"] - saving
+            t["steady_peak_ok"] = r["steady_peak_bytes"] <= t["steady_peak_at_most_bytes"]
+            t["startup_peak_ok"] = r["startup_peak_bytes"] <= 1.1 * r["steady_peak_bytes"]
+            t["between_steps_ok"] = abs(r["between_steps_vs_report"] - 1) <= 0.05
+        t["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        t["last50_loss_vs_baseline"] = r["last50_loss"] / base["last50_loss"] - 1
+        t["loss_ok"] = abs(t["last50_loss_vs_baseline"]) <= 0.01
+        out[name] = t
+    return out
+
+
+# -------------------------------------------------------------------------------------- training
+
+
+def run_configuration(name, corpus, args, device, start_bytes):
+    """Build, train and measure one configuration; what it allocated is freed by the caller."""
+    cuda = device.type == "cuda"
+    starts = train_starts(len(corpus.train), args.steps, args.batch, args.seq, args.seed).to(device)
+    release_memory(device)
+    before = allocated(device)
+    if cuda:
+        left = before - start_bytes - starts.nbytes
+        print(f"  allocated before: {before / 2**20:.1f} MiB (first row's start: {start_bytes / 2**20:.1f} MiB"
+              + (f"; {left / 2**20:.1f} MiB left by an earlier row)" if abs(left) >= 2**20 else ")"))
+        torch.cuda.reset_peak_memory_stats(device)
+    setup, clip, schedule = build(name, args, device)
+    r = dict(clip=clip, train_loss=[], step_s=[], between_steps_bytes=[], fp8_decisions=None,
+             allocated_before_bytes=before, startup_peak_bytes=None, steady_peak_bytes=None)
+    for i in range(args.steps):
+        if i == args.warmup and cuda:
+            r["startup_peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
+            torch.cuda.reset_peak_memory_stats(device)
+        x, y = batch(corpus.train, starts[i], args.seq)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        if i == 0 and setup.record_fp8:
+            loss, r["fp8_decisions"] = first_step_recording_fp8(setup, x, y)
+        else:
+            loss = setup.step(x, y)
+        loss = loss.item()  # waits for the step
+        r["step_s"].append(time.perf_counter() - t0)
+        r["train_loss"].append(loss)
+        schedule.step()
+        if i >= args.warmup and cuda:
+            r["between_steps_bytes"].append(allocated(device) - before)
+        if (i + 1) % args.log_every == 0 or i == 0:
+            print(f"  step {i + 1:5d}  loss {loss:.4f}  {r['step_s'][-1] * 1e3:9.1f} ms", flush=True)
+        if not math.isfinite(loss):
+            print(f"  loss is {loss} at step {i + 1}: stopping this configuration")
+            break
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device) - before
+        if r["startup_peak_bytes"] is None:  # no step after the warm-up: everything was start-up
+            r["startup_peak_bytes"] = peak
+        else:
+            r["steady_peak_bytes"] = peak
+    r.update(timing(r["step_s"], args.warmup, args.batch * args.seq))
+    components = memory_components(setup)
+    num_params = sum(p.numel() for p in setup.model.parameters())
+    without_grads = sum(v for k, v in components.items() if k != "grads")
+    between = max(r["between_steps_bytes"]) if r["between_steps_bytes"] else None
+    last = r["train_loss"][-50:]
+    r.update(num_params=num_params, memory_bytes=components, memory_per_param={k: v / num_params for k, v in components.items()},
+             report_without_grads_bytes=without_grads, between_steps_max_bytes=between,
+             between_steps_vs_report=None if between is None else between / without_grads,
+             last50_loss=sum(last) / len(last))
+    return r
+
+
+# ---------------------------------------------------------------------------------------- snapshot
+
+
+def snapshot_configuration(name, corpus, args, device, folder):
+    """Record the allocator's history over build + 3 steps; write what is alive after the third."""
+    release_memory(device)
+    before = allocated(device)
+    existing = [(a, s) for a, s, _ in live_blocks(torch.cuda.memory._snapshot())]
+    torch.cuda.memory._record_memory_history(max_entries=args.snapshot_entries, stacks="python")
+    starts = train_starts(len(corpus.train), 3, args.batch, args.seq, args.seed).to(device)
+    setup, _, schedule = build(name, args, device)
+    after_build = allocated(device) - before
+    for rows in starts:
+        setup.step(*batch(corpus.train, rows, args.seq)).item()
+        schedule.step()
+    gc.collect()
+    between = allocated(device) - before
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    report = memory_components(setup)
+    analysis = analyse_snapshot(snapshot, report, python_tensor_storages(device.type), exclude=existing)
+    analysis.update(allocated_after_build_bytes=after_build, allocated_between_steps_bytes=between,
+                    num_params=sum(p.numel() for p in setup.model.parameters()))
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"{args.model}_{name}_snapshot"
+    text = format_analysis(analysis, f"{args.model} {name}: after build (prepare) {after_build / 2**20:.1f} MiB, "
+                                     f"between steps {between / 2**20:.1f} MiB allocated "
+                                     f"({between / analysis['num_params']:.3f} B/param)")
+    pathlib.Path(f"{stem}.txt").write_text(text + "\n")
+    write_json(analysis, f"{stem}.json")
+    raw = pickle.dumps(snapshot)
+    if len(raw) >= 15 * 2**20:  # the device returns files up to 16 MiB: the state alone, without the history
+        raw = pickle.dumps({**snapshot, "device_traces": []})
+    if len(raw) < 15 * 2**20:
+        pathlib.Path(f"{stem}.pickle").write_bytes(raw)
+    print(text)
+    return analysis
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def print_table(runs, baseline=None):
+    mib = 2**20
+
+    def m(v):
+        return "-" if v is None else f"{v / mib:.0f}"
+
+    header = ("configuration", "first s", "ms/step", "tok/s", "start-up peak", "steady peak", "between", "report",
+              "between/report", "last-50 loss", "vs baseline")
+    rows = [header]
+    for name, r in runs.items():
+        ratio = r["between_steps_vs_report"]
+        rel = "" if baseline is None else f"{(r['last50_loss'] / baseline['last50_loss'] - 1) * 100:+.2f}%"
+        rows.append((name, f"{r['first_step_s']:.1f}", f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
+                     m(r["startup_peak_bytes"]), m(r["steady_peak_bytes"]), m(r["between_steps_max_bytes"]),
+                     m(r["report_without_grads_bytes"]), "-" if ratio is None else f"{ratio:.3f}",
+                     f"{r['last50_loss']:.4f}", rel))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    print("\n".join(lines))
+    print("memory in MiB above each row's starting allocation; report = memory_report without gradients")
+
+
+def save_plots(results, folder, prefix=""):
+    """``{prefix}loss.png`` (training loss) and ``{prefix}memory.png`` (memory by component and the
+    peaks), or a note when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plots (the JSON has every number; --report-from with --plot makes them later)")
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    runs, info = results["runs"], results["info"]
+    title = (f"{info['model']} ({info['num_params'] / 1e6:,.0f}M parameters), batch {info['batch']} x {info['seq']}, "
+             f"{info['device']}")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, r in runs.items():
+        losses = r["train_loss"]
+        k = max(1, len(losses) // 50)
+        ax.plot(range(1, len(losses) + 1), [statistics.mean(losses[max(0, i - k + 1): i + 1]) for i in range(len(losses))],
+                label=name, lw=1)
+    ax.set(title=title, xlabel="step", ylabel=f"training loss (running mean over {k} steps)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths = [folder / f"{prefix}loss.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+
+    components = ("weights", "error_terms", "states", "state_scales", "grads")
+    fig, ax = plt.subplots(figsize=(1.6 * len(runs) + 3, 4.5))
+    names, bottom = list(runs), [0.0] * len(runs)
+    for component in components:
+        values = [runs[n]["memory_bytes"].get(component, 0) / 2**30 for n in names]
+        ax.bar(names, values, bottom=bottom, label=component)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for key, marker in (("steady_peak_bytes", "_"), ("between_steps_max_bytes", "x")):
+        if all(runs[n][key] is not None for n in names):
+            ax.scatter(names, [runs[n][key] / 2**30 for n in names], marker=marker, s=400, c="k", zorder=3,
+                       label=key.removesuffix("_bytes").replace("_", " "))
+    ax.set(ylabel="GiB", title=f"memory by component (memory_report) and measured, {info['model']}")
+    ax.legend(fontsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    paths.append(folder / f"{prefix}memory.png")
+    fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+    print("wrote " + " and ".join(map(str, paths)))
+    return paths
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(DEFAULTS), default="gpt2")
+    parser.add_argument("--size", choices=("full", "tiny"), default="full", help="tiny: a CPU-sized model of the same kind")
+    parser.add_argument("--configs", default=",".join(CONFIGURATIONS), help=f"comma list of {', '.join(CONFIGURATIONS)}")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=10, help="steps before the timed, steady-state ones")
+    parser.add_argument("--batch", type=int, help="sequences per step (default: the model's)")
+    parser.add_argument("--seq", type=int, help="tokens per sequence (default: the model's)")
+    parser.add_argument("--lr", type=float, help="peak AdamW learning rate (default: the model's)")
+    parser.add_argument("--lr-warmup", type=int, help="steps of linear LR warm-up (default: a tenth of --steps)")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: none)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-inductor", action="store_true",
+                        help="models run eagerly, flashoptim's graphs without Inductor (compiler='eager'): a quick check")
+    parser.add_argument("--out", default="hf_clients.json")
+    parser.add_argument("--plot", metavar="DIR", help="write {prefix}loss.png and {prefix}memory.png there")
+    parser.add_argument("--plot-prefix", help="prefix of the plots' names (default: hf_{model}_)")
+    parser.add_argument("--report-from", nargs="+", metavar="JSON",
+                        help="no training: merge these result files of one model (a run made in parts) into --out, "
+                             "with the targets, the table and the plots (--plot)")
+    parser.add_argument("--snapshot", metavar="DIR", help="CUDA: memory snapshot of each configuration instead of training")
+    parser.add_argument("--snapshot-entries", type=int, default=100_000, help="allocator events kept by the snapshot")
+    args = parser.parse_args(argv)
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGURATIONS]
+    if unknown:
+        parser.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGURATIONS)}")
+    if args.snapshot and not args.device.startswith("cuda"):
+        parser.error("--snapshot needs a CUDA GPU: it records the CUDA caching allocator's history")
+    default_batch, default_seq, default_lr = DEFAULTS[args.model][args.size]
+    args.batch, args.seq, args.lr = args.batch or default_batch, args.seq or default_seq, args.lr or default_lr
+    args.lr_warmup = args.lr_warmup or max(1, args.steps // 10)
+    args.plot_prefix = f"hf_{args.model}_" if args.plot_prefix is None else args.plot_prefix
+    if not args.report_from:
+        args.config = model_config(args.model, args.size, args.seq)
+    return args
+
+
+def merge(paths):
+    """The runs of several result files of one model (a run made in parts) as one result."""
+    results = None
+    for path in paths:
+        part = json.loads(pathlib.Path(path).read_text())
+        part.setdefault("failed", {})
+        if results is None:
+            results = part
+        elif (part["info"]["model"], part["info"]["num_params"]) != (results["info"]["model"], results["info"]["num_params"]):
+            raise ValueError(f"{path}: another model ({part['info']['model']}) than {paths[0]}")
+        else:
+            results["runs"].update(part["runs"])
+            results["skipped"].update(part["skipped"])
+            results["failed"].update(part["failed"])
+    return results
+
+
+def report(results, args):
+    """The targets (into ``results``), the table, and the plots under ``--plot``."""
+    results["targets"] = targets(results["runs"], results["info"]["num_params"])
+    print()
+    print_table(results["runs"], results["runs"].get("baseline"))
+    for name, t in results["targets"].items():
+        print(f"targets {name}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in t.items()))
+    for kind in ("skipped", "failed"):
+        for name, reason in results.get(kind, {}).items():
+            print(f"{kind} {name}: {reason}")
+    if args.plot:
+        save_plots(results, args.plot, args.plot_prefix)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.report_from:
+        results = merge(args.report_from)
+        report(results, args)
+        write_json(results, args.out)
+        print(f"wrote {args.out}")
+        return results
+    device = torch.device(args.device)
+    corpus = load_corpus()
+    corpus.train = corpus.train.to(device)
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in build_model(args.model, args.config).parameters())
+    info = dict(model=args.model, size=args.size, num_params=num_params, vocab=vocab_size(args.model, args.config),
+                batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, lr_warmup=args.lr_warmup,
+                clip=args.clip, seed=args.seed, no_inductor=args.no_inductor, torch=torch.__version__,
+                transformers=None if transformers is None else transformers.__version__, python=platform.python_version(),
+                date=time.strftime("%Y-%m-%d %H:%M"), commit=git_commit(), corpus=corpus.info,
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})")
+    print(f"{args.model} ({args.size}): {num_params / 1e6:.1f}M parameters; batch {args.batch} x {args.seq}, "
+          f"{args.steps} steps on {info['device']}", flush=True)
+    if device.type == "cuda":
+        warm_up_cublas(device)
+    start = allocated(device)
+    results = dict(info=info, runs={}, skipped={}, failed={}, targets={})
+    for name in args.configs.split(","):
+        print(f"== {name}", flush=True)
+        try:
+            if args.snapshot:
+                results["runs"][name] = snapshot_configuration(name, corpus, args, device, pathlib.Path(args.snapshot))
+            else:
+                results["runs"][name] = run_configuration(name, corpus, args, device, start)
+        except Skip as e:
+            results["skipped"][name] = str(e)
+            print(f"  skipped: {e}")
+        except Exception as e:  # noqa: BLE001 - a row that fails (out of memory, a compile error) must not end the others
+            results["failed"][name] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        release_memory(device)
+        write_json(results, args.out)  # after every configuration: a run cut short keeps what it measured
+    if not args.snapshot:
+        report(results, args)
+        write_json(results, args.out)
+    print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

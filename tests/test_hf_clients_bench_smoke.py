@@ -1,0 +1,190 @@
+"""Smoke test of benchmarks/hf_clients.py (issue 14): its functions in-process on the CPU, tiny models,
+without Inductor (the rows' code paths, not kernels), and its snapshot analysis on a synthetic
+snapshot in the format of ``torch.cuda.memory._snapshot()``."""
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "hf_clients.py"
+MiB = 2**20
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load(SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def analysis():
+    return _load(SCRIPT.parent / "snapshot_analysis.py")
+
+
+RUN_FIELDS = {
+    "clip", "train_loss", "step_s", "between_steps_bytes", "fp8_decisions", "allocated_before_bytes", "startup_peak_bytes",
+    "steady_peak_bytes", "median_step_s", "tokens_per_s", "first_step_s", "compile_s", "num_params", "memory_bytes",
+    "memory_per_param", "report_without_grads_bytes", "between_steps_max_bytes", "between_steps_vs_report", "last50_loss",
+}
+
+
+def test_two_rows_train_and_report_every_field(bench, tmp_path, fresh_dynamo):
+    out = tmp_path / "hf.json"
+    bench.main(["--model", "gpt2", "--size", "tiny", "--configs", "baseline,flashoptim", "--steps", "3", "--warmup", "1",
+                "--device", "cpu", "--no-inductor", "--out", str(out), "--log-every", "10"])
+    results = json.loads(out.read_text())
+    assert set(results["runs"]) == {"baseline", "flashoptim"} and not results["skipped"]
+    info = results["info"]
+    assert info["model"] == "gpt2" and info["vocab"] == 1000 and info["corpus"]["bytes"] > 10_000_000
+    for name, run in results["runs"].items():
+        assert RUN_FIELDS <= set(run), (name, RUN_FIELDS - set(run))
+        assert len(run["train_loss"]) == 3 and all(math.isfinite(v) for v in run["train_loss"]), name
+        assert run["last50_loss"] == pytest.approx(sum(run["train_loss"]) / 3)
+        assert run["clip"] == 1.0 and run["median_step_s"] > 0 and run["tokens_per_s"] > 0
+        assert run["steady_peak_bytes"] is None and run["between_steps_max_bytes"] is None  # no allocator statistics on CPU
+        # Random initial weights: the loss starts near ln(vocabulary) for every row.
+        assert abs(run["train_loss"][0] - math.log(1000)) < 0.5, name
+    base, flash = results["runs"]["baseline"], results["runs"]["flashoptim"]
+    assert base["num_params"] == flash["num_params"] == info["num_params"]
+    assert base["memory_per_param"]["weights"] == 4.0 and base["memory_per_param"]["states"] == 8.0
+    # 24-bit masters: an int8 error term per bf16 parameter (all but the LayerNorms, padding to 32 included).
+    assert 0.9 < flash["memory_per_param"]["error_terms"] <= 1.05
+    assert flash["report_without_grads_bytes"] < 0.5 * base["report_without_grads_bytes"]
+    # The same first batch from the same initial weights: bf16 weights vs fp32 under bf16 autocast.
+    assert flash["train_loss"][0] == pytest.approx(base["train_loss"][0], rel=0.01)
+    target = results["targets"]["flashoptim"]
+    assert target["speedup"] == pytest.approx(flash["tokens_per_s"] / base["tokens_per_s"])
+    assert target["loss_ok"] == (abs(flash["last50_loss"] / base["last50_loss"] - 1) <= 0.01)
+
+    # A run made in parts (one row per file) merges into the same result, targets included.
+    parts = []
+    for name in ("baseline", "flashoptim"):
+        part = dict(results, runs={name: results["runs"][name]}, targets={})
+        parts.append(tmp_path / f"{name}.json")
+        parts[-1].write_text(json.dumps(part))
+    merged = bench.main(["--report-from", *map(str, parts), "--out", str(tmp_path / "merged.json")])
+    assert merged["runs"] == results["runs"] and merged["targets"] == results["targets"]
+
+
+def test_every_row_starts_from_the_same_weights(bench, fresh_dynamo):
+    args = bench.parse_args(["--model", "llama", "--size", "tiny", "--device", "cpu", "--no-inductor"])
+    base, _, _ = bench.build("baseline", args, torch.device("cpu"))
+    flash, clip, schedule = bench.build("flashoptim_release", args, torch.device("cpu"))
+    assert clip == 0  # gradient release cannot clip the global norm
+    fp32 = dict(base.model.named_parameters())
+    for name, p in flash.model.named_parameters():
+        assert torch.equal(p.detach().float(), fp32[name].detach().to(p.dtype).float()), name
+    assert schedule.get_last_lr()[0] == pytest.approx(args.lr / args.lr_warmup)
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth(bench):
+    factors = [bench.lr_factor(s, 10, 100) for s in range(100)]
+    assert factors[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert factors[10] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+    assert bench.lr_factor(100, 10, 100) == pytest.approx(0.1)
+    mid = 10 + 45  # half-way through the decay: cos(pi/2) = 0
+    assert factors[mid] == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+def test_targets_follow_the_issue(bench):
+    n = 10**6
+    runs = {"baseline": dict(steady_peak_bytes=20 * n, tokens_per_s=100.0, last50_loss=2.0),
+            "flashoptim": dict(steady_peak_bytes=12 * n, startup_peak_bytes=13 * n, between_steps_vs_report=1.04,
+                               tokens_per_s=125.0, last50_loss=2.03)}
+    t = bench.targets(runs, n)["flashoptim"]
+    assert t["steady_peak_at_most_bytes"] == pytest.approx(20 * n - 0.9 * (16 - 7.13) * n)
+    assert t["steady_peak_ok"] is (12 * n <= 20 * n - 0.9 * 8.87 * n)
+    assert t["startup_peak_ok"] and t["between_steps_ok"]
+    assert t["speedup"] == pytest.approx(1.25) and t["last50_loss_vs_baseline"] == pytest.approx(0.015)
+    assert not t["loss_ok"]
+
+
+def _frame(filename, line, name):
+    return {"filename": filename, "line": line, "name": name}
+
+
+def test_snapshot_analysis_groups_live_blocks_by_the_code_that_allocated_them(analysis):
+    site = "/usr/lib/python3.11/site-packages"
+    flat = _frame(str(analysis.REPO / "flash_inductor" / "flat.py"), 183, "hold_gradients")
+    steps = _frame(str(analysis.REPO / "flash_inductor" / "steps.py"), 120, "run_compiled_step")
+    generated = _frame("/tmp/torchinductor_root/ab/cabcdef.py", 900, "call")
+    runtime = _frame(f"{site}/torch/_inductor/output_code.py", 600, "__call__")
+    functional = _frame(f"{site}/torch/nn/functional.py", 2000, "linear")
+    gpt2 = _frame(f"{site}/transformers/models/gpt2/modeling_gpt2.py", 300, "forward")
+
+    def block(address, size, frames, state="active_allocated"):
+        return {"address": address, "size": size, "requested_size": size, "state": state, "frames": frames}
+
+    segments = [
+        {"address": 0, "total_size": 256 * MiB, "blocks": [
+            block(0, 64 * MiB, [flat]),  # reached by a Python tensor (its storage starts here)
+            block(64 * MiB, 32 * MiB, [generated, runtime, steps]),  # not reached
+            block(96 * MiB, 100 * MiB, [], state="inactive"),  # cached, free: not counted
+            block(196 * MiB, 16 * MiB, [generated, runtime, steps]),  # reached through a view's storage inside it
+        ]},
+        {"address": 512 * MiB, "total_size": 80 * MiB, "blocks": [
+            block(512 * MiB, 32 * MiB, []),  # autograd's thread: no Python frames
+            block(544 * MiB, 8 * MiB, [functional, gpt2]),
+            block(552 * MiB, 4 * MiB, [flat]),  # alive before the recording: excluded
+        ]},
+    ]
+    snapshot = {"segments": segments, "device_traces": [[]]}
+    python = {0: 64 * MiB, 200 * MiB: 4 * MiB, 544 * MiB: 8 * MiB}
+    report = {"weights": 40 * MiB, "error_terms": 20 * MiB, "states": 40 * MiB, "state_scales": 2 * MiB, "grads": 40 * MiB}
+    a = analysis.analyse_snapshot(snapshot, report, python, exclude=[(552 * MiB, 4 * MiB)], top=3)
+
+    assert a["live_blocks"] == 5 and a["live_bytes"] == (64 + 32 + 16 + 32 + 8) * MiB
+    assert a["unreachable_bytes"] == (32 + 32) * MiB and a["python_bytes"] == 76 * MiB
+    assert a["report_without_grads_bytes"] == 102 * MiB and a["gap_bytes"] == (152 - 102) * MiB
+    assert a["by_site_category"] == {"flash_inductor": 64 * MiB, "<inductor generated>": 48 * MiB,
+                                     "<no Python frames>": 32 * MiB, "torch": 8 * MiB}
+    assert a["by_owner_category"] == {"flash_inductor": 112 * MiB, "<no Python frames>": 32 * MiB, "transformers": 8 * MiB}
+    assert [(g["site"], g["owner"], g["bytes"] // MiB, g["blocks"], g["unreachable_bytes"] // MiB) for g in a["groups"]] == [
+        ("flash_inductor/flat.py:183 hold_gradients", "flash_inductor/flat.py:183 hold_gradients", 64, 1, 0),
+        ("<inductor generated>/cabcdef.py:900 call", "flash_inductor/steps.py:120 run_compiled_step", 48, 2, 32),
+        ("<no Python frames>", "<no Python frames>", 32, 1, 32),
+    ]
+    assert a["groups_left_out"] == 1
+    text = analysis.format_analysis(a, "title")
+    assert "torch/nn/functional.py" not in text  # the fourth group is left out
+    assert "48.0      2      32.0  <inductor generated>/cabcdef.py:900 call  <-  flash_inductor/steps.py:120" in text
+    assert "live - report = 50.0 MiB" in text
+
+
+def test_python_tensor_storages_finds_each_storage_once(analysis):
+    base = torch.zeros(1000)
+    view = base[10:20]  # noqa: F841 - reached too, same storage
+    released = torch.zeros(500)
+    released.untyped_storage().resize_(0)
+    found = analysis.python_tensor_storages("cpu")
+    assert found[base.untyped_storage().data_ptr()] == 4000
+    assert all(size > 0 for size in found.values())
+    assert analysis.python_tensor_storages("meta") == {}
+
+
+def test_plots_or_a_note_without_matplotlib(bench, tmp_path, monkeypatch, capsys):
+    run = {"train_loss": [3.0, 2.5, 2.0], "steady_peak_bytes": 3 * 2**30, "between_steps_max_bytes": 2**30,
+           "memory_bytes": {"weights": 2**29, "error_terms": 2**28, "states": 2**29, "state_scales": 2**25, "grads": 2**29}}
+    results = {"info": {"model": "gpt2", "num_params": 10**8, "batch": 8, "seq": 1024, "device": "cpu"},
+               "runs": {"baseline": run, "flashoptim": run}}
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert bench.save_plots(results, tmp_path, "x_") == []
+    assert "matplotlib is not installed" in capsys.readouterr().out
+    monkeypatch.undo()
+    pytest.importorskip("matplotlib")
+    paths = bench.save_plots(results, tmp_path, "x_")
+    assert sorted(p.name for p in paths) == ["x_loss.png", "x_memory.png"] and all(p.stat().st_size > 0 for p in paths)
