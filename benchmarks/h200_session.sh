@@ -23,6 +23,8 @@
 #   kernel     issue 13: GPU tests, then the flat step with the hand-written Triton kernel (the default) and
 #              Inductor's, on 64 x 2048^2, GPT-2 124M's list and our 1.2B GPT's, with the peers
 #   blocks     issue 13: the hand-written step's GPU tests, and its launch shapes (groups per program, warps)
+#   final13    issue 13/14 in one call: the hand-written step's GPU tests, the three lists with the peers,
+#              and HF GPT-2 124M (baseline, flashoptim, flashoptim + FP8) with plots
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
 #              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
 #   hfgpt2     issue 14: Hugging Face GPT-2 124M, 300 steps, every row of hf_clients.py, with plots
@@ -50,6 +52,13 @@ logged() {
 }
 
 case $stage in
+  final13)
+    timeout 130 python -m pytest -v -m gpu tests/test_gpu.py 2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_final_h200.log"
+    tail -4 "$out/gpu_tests_final_h200.log"
+    logged optimizer_step_final_h200 150 optimizer_step.py --lists 64x2048x2048,gpt2_124m,gpt_1b \
+      --configs torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_inductor,flashoptim_pypi,flashoptim_block128_warps4
+    logged hf_clients_gpt2_h200 270 hf_clients.py --model gpt2 --configs baseline,flashoptim,flashoptim_fp8 --plot "$out"
+    ;;
   blocks)
     timeout 240 python -m pytest -v -m gpu tests/test_gpu.py 2>&1 | grep -v "^DEBUG" | tee "$out/gpu_tests_blocks_h200.log"
     logged optimizer_step_blocks_h200 200 optimizer_step.py --lists 64x2048x2048,gpt2_124m \
