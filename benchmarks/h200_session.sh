@@ -20,6 +20,9 @@
 #              peers (torch fused AdamW fp32/bf16, FlashOptim), plain and CUDA-graphed
 #   flatparts  what the flat step's parts cost (exact division, no error terms, fp32 states, tuned blocks)
 #   flattests  GPU tests, and the first step's compile time for 4 and 64 tensors of 2048^2
+#   quality    issue 15: GPT 124M, 1500 steps with the schedule, 3 seeds (seed-major) of the fp32 baseline,
+#              flashoptim and flashoptim + FP8, 3 runs at once, stopped at 505 s; QUALITY_ARGS replaces the
+#              selection (e.g. "--pairs flashoptim_fp8:2 flashoptim_no_masters:0 ..."), NAME the output name
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
 #              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
 set -uo pipefail
@@ -119,6 +122,12 @@ case $stage in
       | tee "$out/release_memory_diag_flat_h200.log"
     timeout 240 python benchmarks/compile_time.py --device cuda --shape 2048 --counts 4,64 \
       --out "$out/compile_time_h200.json" 2>&1 | tee "$out/compile_time_h200.log"
+    ;;
+  quality)
+    name=${NAME:-quality_h200}
+    # shellcheck disable=SC2086  # QUALITY_ARGS is a list of arguments
+    logged "$name" 540 quality.py ${QUALITY_ARGS:---seeds 0 1 2 --configs fp32_fused_autocast,flashoptim,flashoptim_fp8} \
+      --jobs 3 --deadline-s 505 --runs-dir /tmp/quality --plot "$out/$name.png"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
