@@ -230,8 +230,8 @@ def write_json(data, path):
 
 
 def protocol(args):
-    return dict(steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, warmup_steps=args.warmup_steps,
-                min_lr_ratio=args.min_lr_ratio, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=args.grad_clip,
+    return dict(steps=args.steps, batch=args.batch, seq=args.seq, adamw=train_gpt.adamw_args(args),
+                warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, grad_clip=args.grad_clip,
                 eval_every=args.eval_every, eval_batches=args.eval_batches, heldout_fraction=args.heldout_fraction,
                 no_inductor=args.no_inductor, hazard_every=args.hazard_every)
 

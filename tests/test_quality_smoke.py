@@ -22,6 +22,9 @@ import time
 import pytest
 import torch
 
+import flash_inductor
+from flash_inductor import roles
+
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = ["--config", "tiny", "--layers", "1", "--dim", "64", "--heads", "4", "--seq", "32", "--batch", "4",
         "--steps", "10", "--warmup-steps", "2", "--eval-every", "5", "--eval-batches", "2", "--no-inductor",
@@ -234,3 +237,30 @@ def test_hazard_measures_of_one_tensor(quality):
     want = dict(over_5x=0.5, over_5x_above_1=0.5, damped_5x=0.25, floored=2 / 32, max_quantized=10.0, max_shadow=1.0,
                 max_ratio=10.0, mean_ratio=14.1 / 3.5)
     assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_gradient_clipping_reaches_the_prepared_step(quality, fresh_dynamo):
+    """The protocol clips inside the train step (``clip_grad_norm_`` between backward and step). On a
+    prepared optimizer the gradients are bf16 views of flat buffers: the step must read them clipped."""
+    train_gpt = sys.modules["train_gpt"]
+    torch.manual_seed(0)
+    model = train_gpt.GPT(train_gpt.GPTConfig(1, 64, 4, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = flash_inductor.train_step(train_gpt.make_step(model, opt, grad_clip=1e-3), model=model, optimizer=opt,
+                                     compiler="eager")
+    seen = []
+
+    @torch.compiler.disable
+    def before_step(optimizer, args, kwargs):
+        grads = [p.grad for p in model.parameters()]
+        flat = {b.grads.untyped_storage().data_ptr() for b in roles.PREPARED[optimizer].buckets}
+        norm = torch.stack([g.double().norm() for g in grads]).norm().item()
+        seen.append((norm, all(g.untyped_storage().data_ptr() in flat for g in grads)))
+
+    opt.register_step_pre_hook(before_step)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        step(*torch.randint(0, 256, (2, 4, 32), generator=gen))
+    assert len(seen) == 2
+    for norm, in_flat_buffers in seen:
+        assert in_flat_buffers and norm == pytest.approx(1e-3, rel=0.02)
