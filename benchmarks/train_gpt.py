@@ -11,6 +11,7 @@ the same batches (same seed), one after another in this one process:
     flashoptim           flash_inductor: bf16 + 24-bit split masters, 8-bit states; @train_step
     flashoptim_fp8       flashoptim + FP8 (tensorwise) linears, embedding and LM head excluded
     flashoptim_release   flashoptim with gradient release (each parameter updated in backward)
+    flashoptim_no_masters  flashoptim with master_weight_bits=None: bf16 weights, no error terms, 8-bit states
     flashoptim_pypi      peer: the ``flashoptim`` package's FlashAdamW (CUDA only); compiled model
     torchao_adamw8bit    peer: torchao.optim.AdamW8bit on bf16 params (stochastic rounding);
                          compiled model
@@ -18,7 +19,9 @@ the same batches (same seed), one after another in this one process:
 Peers are skipped with a note when their package is missing or refuses this machine. Model sizes
 (``--config``): tiny (~0.9M parameters, CPU smoke test), 124m (GPT-2 small's shape: 12 layers,
 d=768; 86M parameters with a 256-byte vocabulary), 350m (24 x 1024), 1b (24 x 2048, 1.2B);
-``--layers/--dim/--heads/--seq`` override. The learning rate is constant (no schedule).
+``--layers/--dim/--heads/--seq`` override. The learning rate is constant (no schedule);
+``--grad-clip`` clips the gradients' total norm (off by default). benchmarks/quality.py runs these
+configurations over several seeds with a schedule and clipping (issue 15).
 
     python benchmarks/train_gpt.py --config tiny --steps 20                      # CPU smoke run
     python benchmarks/train_gpt.py --config 124m --steps 1000 --plot plots/      # GPU comparison
@@ -184,13 +187,16 @@ def autocast(device, enabled):
     return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
-def make_step(model, optimizer, use_autocast=False):
+def make_step(model, optimizer, use_autocast=False, grad_clip=None):
+    """Forward, backward, clipping of the gradients' total norm to ``grad_clip`` (None: none), step."""
     device = next(model.parameters()).device
 
     def step(x, y):
         with autocast(device, use_autocast):
             loss = lm_loss(model, x, y)
         loss.backward()
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         optimizer.zero_grad()
         return loss.detach()
@@ -209,28 +215,33 @@ def compiled(fn, args):
 
 def build_fp32_fused_autocast(model, args):
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=model.lm_head.weight.is_cuda)
-    return Setup(model, opt, compiled(make_step(model, opt, True), args), autocast=True)
+    return Setup(model, opt, compiled(make_step(model, opt, True, args.grad_clip), args), autocast=True)
 
 
 def build_bf16_adamw(model, args):
     model.to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args))
-    return Setup(model, opt, compiled(make_step(model, opt), args))
+    return Setup(model, opt, compiled(make_step(model, opt, grad_clip=args.grad_clip), args))
 
 
-def build_flashoptim(model, args, gradient_release=False, **options):
+def build_flashoptim(model, args, gradient_release=False, master_weight_bits=24, **options):
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args))
+    step = make_step(model, opt, grad_clip=args.grad_clip)
     if args.no_inductor:  # eager model; the prepared step runs the rewritten graph op by op
-        flash_inductor.prepare(model, opt, gradient_release=gradient_release,
+        flash_inductor.prepare(model, opt, gradient_release=gradient_release, master_weight_bits=master_weight_bits,
                                compile_options={**options, "compiler": "eager"})
-        return Setup(model, opt, make_step(model, opt))
-    step = flash_inductor.train_step(make_step(model, opt), model=model, optimizer=opt,
-                                     gradient_release=gradient_release, **options)
+        return Setup(model, opt, step)
+    step = flash_inductor.train_step(step, model=model, optimizer=opt, gradient_release=gradient_release,
+                                     master_weight_bits=master_weight_bits, **options)
     return Setup(model, opt, step, record_fp8="fp8" in options)
 
 
 def build_flashoptim_release(model, args):
     return build_flashoptim(model, args, gradient_release=True)
+
+
+def build_flashoptim_no_masters(model, args):
+    return build_flashoptim(model, args, master_weight_bits=None)
 
 
 def build_flashoptim_fp8(model, args):
@@ -249,7 +260,7 @@ def build_flashoptim_pypi(model, args):
         raise Skip("flashoptim's FlashAdamW needs CUDA (quantized states and error bits are Triton kernels)")
     cast_model(model, dtype=torch.bfloat16)
     opt = FlashAdamW(model.parameters(), **adamw_args(args), master_weight_bits=24)
-    return Setup(model, opt, make_step(compiled(model, args), opt), memory=peer_memory)
+    return Setup(model, opt, make_step(compiled(model, args), opt, grad_clip=args.grad_clip), memory=peer_memory)
 
 
 def build_torchao_adamw8bit(model, args):
@@ -259,7 +270,7 @@ def build_torchao_adamw8bit(model, args):
         raise Skip(f"torchao.optim.AdamW8bit not importable ({e})") from None
     model.to(torch.bfloat16)
     opt = AdamW8bit(model.parameters(), **adamw_args(args), bf16_stochastic_round=True)
-    return Setup(model, opt, make_step(compiled(model, args), opt), memory=peer_memory)
+    return Setup(model, opt, make_step(compiled(model, args), opt, grad_clip=args.grad_clip), memory=peer_memory)
 
 
 CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args) -> Setup
@@ -268,6 +279,7 @@ CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args
     "flashoptim": build_flashoptim,
     "flashoptim_fp8": build_flashoptim_fp8,
     "flashoptim_release": build_flashoptim_release,
+    "flashoptim_no_masters": build_flashoptim_no_masters,
     "flashoptim_pypi": build_flashoptim_pypi,
     "torchao_adamw8bit": build_torchao_adamw8bit,
 }
@@ -328,13 +340,16 @@ def first_step_recording_fp8(setup, x, y):
     return loss, decisions
 
 
-def train(setup, corpus, args, device):
-    """Train ``args.steps`` steps; returns losses, step times and held-out losses."""
+def train(setup, corpus, args, device, progress=None):
+    """Train ``args.steps`` steps; returns losses, step times and held-out losses. ``progress(result)``,
+    if given, is called after every held-out evaluation (with the result so far)."""
     seq = args.seq
     starts = train_starts(len(corpus.train), args.steps, args.batch, seq, args.seed).to(device)
     eval_starts = heldout_starts(len(corpus.heldout), args.eval_batches, args.batch, seq)
     result = dict(train_loss=[], step_s=[], heldout=[], fp8_decisions=None)
     result["heldout"].append(dict(step=0, loss=heldout_loss(setup, corpus, eval_starts, seq, device)))
+    if progress:
+        progress(result)
     for i in range(args.steps):
         x, y = batch(corpus.train, starts[i], seq)
         synchronize(device)
@@ -354,6 +369,8 @@ def train(setup, corpus, args, device):
         if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
             result["heldout"].append(dict(step=i + 1, loss=heldout_loss(setup, corpus, eval_starts, seq, device)))
             print(f"  step {i + 1:5d}  held-out loss {result['heldout'][-1]['loss']:.4f}", flush=True)
+            if progress:
+                progress(result)
     return result
 
 
@@ -545,22 +562,41 @@ def _plot_memory(plt, results, path):
 # ------------------------------------------------------------------------------------------ main
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", choices=sorted(SIZES), default="tiny", help="model size")
+def add_model_arguments(parser, default_size):
+    """The model size and its overrides, batch and learning rate (also benchmarks/quality.py's)."""
+    parser.add_argument("--config", choices=sorted(SIZES), default=default_size, help="model size")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--dim", type=int)
     parser.add_argument("--heads", type=int)
     parser.add_argument("--seq", type=int, help="context length (default: the size's)")
     parser.add_argument("--batch", type=int, help="sequences per step (default: the size's)")
-    parser.add_argument("--lr", type=float, help="AdamW learning rate, constant (default: the size's)")
+    parser.add_argument("--lr", type=float, help="AdamW learning rate (default: the size's)")
+    parser.add_argument("--grad-clip", type=float, help="clip the gradients' total norm to this (default: no clipping)")
+    parser.add_argument("--fp8-min-weight-numel", type=int, help="flashoptim_fp8 (default: the backend's)")
+
+
+def resolve_model_arguments(parser, args):
+    """``args.model`` (a GPTConfig) from the size and its overrides; ``args.seq``, ``args.batch`` and
+    ``args.lr`` filled in from the size's defaults."""
+    shape, default_batch, default_lr = SIZES[args.config]
+    overrides = {k: getattr(args, k) for k in ("layers", "dim", "heads", "seq") if getattr(args, k) is not None}
+    args.model = dataclasses.replace(shape, **overrides)
+    if args.model.dim % args.model.heads:
+        parser.error(f"--dim {args.model.dim} is not a multiple of --heads {args.model.heads}")
+    args.seq = args.model.seq
+    args.batch = args.batch or default_batch
+    args.lr = args.lr or default_lr
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser, "tiny")
     parser.add_argument("--configs", default=",".join(CONFIGURATIONS), help=f"comma list of {', '.join(CONFIGURATIONS)}")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median step time")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--log-every", type=int, default=50)
-    parser.add_argument("--fp8-min-weight-numel", type=int, help="flashoptim_fp8 (default: the backend's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="train_gpt.json")
@@ -585,15 +621,8 @@ def parse_args(argv):
     if args.find_largest and not args.device.startswith("cuda"):
         parser.error("--find-largest needs a CUDA GPU: it deepens the model until torch.cuda.OutOfMemoryError, "
                      "and there is no GPU memory to fill here")
-    shape, default_batch, default_lr = SIZES[args.config]
-    overrides = {k: getattr(args, k) for k in ("layers", "dim", "heads", "seq") if getattr(args, k) is not None}
-    args.model = dataclasses.replace(shape, **overrides)
-    if args.model.dim % args.model.heads:
-        parser.error(f"--dim {args.model.dim} is not a multiple of --heads {args.model.heads}")
-    args.seq = args.model.seq
+    resolve_model_arguments(parser, args)
     args.no_inductor = args.no_inductor or args.find_largest
-    args.batch = args.batch or default_batch
-    args.lr = args.lr or default_lr
     return args
 
 
@@ -639,7 +668,7 @@ def main(argv=None):
         torch=torch.__version__, python=platform.python_version(), date=time.strftime("%Y-%m-%d %H:%M"),
         commit=git_commit(), device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
         corpus=corpus.info, model=dict(dataclasses.asdict(cfg), num_params=num_params, size=args.config),
-        batch=args.batch, lr=args.lr, no_inductor=args.no_inductor, steps=args.steps, seed=args.seed,
+        batch=args.batch, lr=args.lr, grad_clip=args.grad_clip, no_inductor=args.no_inductor, steps=args.steps, seed=args.seed,
         warmup=args.warmup, eval_every=args.eval_every, eval_batches=args.eval_batches,
     )
     results = dict(info=info, runs={}, skipped={})

@@ -54,7 +54,8 @@ def ref_split_encode(x64, n):
 
 
 def ref_state_encode(x64, kind):
-    """DESIGN §2.2 encode in float64: (codes int64, fp16 scales as float64)."""
+    """DESIGN §2.2 encode in float64: (codes int64, fp16 scales as float64). Second moments: a positive
+    sqrt(v) gets code 1 at least (docs/numerics.md, "Second-moment floor"; the paper rounds it to 0)."""
     flat = x64.double().reshape(-1)
     groups = torch.cat([flat, flat.new_zeros((-flat.numel()) % GROUP)]).view(-1, GROUP)
     if kind == "sqrt":
@@ -65,7 +66,7 @@ def ref_state_encode(x64, kind):
     if kind == "signed":
         q = torch.floor(127 * (2 * u / (1 + u.abs())) + 0.5).clamp(-127, 127)
     else:
-        q = torch.floor(255 * u + 0.5).clamp(0, 255)
+        q = torch.where(u > 0, torch.floor(255 * u + 0.5).clamp(1, 255), 0.0)  # positive sqrt(v): code >= 1
     return q.long().view(-1), scale
 
 

@@ -119,7 +119,8 @@ def ref_companded_encode(x, kind):
 
     Scale: fp32 absmax, clamped to >= 1e-12, rounded to fp16; the codes divide by that stored scale
     (module docstring). Beyond DESIGN (documented in the module and docs/numerics.md): finite absmax
-    above fp16's max saturates to 65504; a group holding inf/nan gets a nan scale and zero codes.
+    above fp16's max saturates to 65504; a group holding inf/nan gets a nan scale and zero codes; a
+    positive sqrt(v) gets code 1 at least (the second-moment floor).
     """
     flat = x.double().reshape(-1)
     pad = (-flat.numel()) % 32
@@ -136,7 +137,7 @@ def ref_companded_encode(x, kind):
         y = 2 * u / (1 + u.abs())
         q = torch.floor(127 * y + 0.5).clamp(-127, 127)
     else:
-        q = torch.floor(255 * u + 0.5).clamp(0, 255)
+        q = torch.where(u > 0, torch.floor(255 * u + 0.5).clamp(1, 255), 0.0)  # positive sqrt(v): code >= 1
     return q.long(), scale
 
 
@@ -493,10 +494,18 @@ def test_companded_encode_decode_vs_reference(kind, case):
             err = (dec.reshape(-1).double() - xd).abs()
             assert (err[inside] <= s[inside] / 127 * (1 + 2.0**-10) + ulp32(xd[inside])).all()
         else:
-            # sqrt(v) is quantised linearly: |d sqrt(v)| <= scale / 510
+            # sqrt(v) is quantised linearly: |d sqrt(v)| <= half a code step, scale / 510; below half a
+            # step a positive sqrt(v) is stored as one step (the floor), never as 0
             inside = xd.sqrt() <= s
-            err = (dec.reshape(-1).double().sqrt() - xd.sqrt()).abs()[inside]
-            assert (err <= s[inside] / 510 * (1 + 2.0**-10) + ulp32(s[inside])).all()
+            root, stored = xd.sqrt()[inside], dec.reshape(-1).double().sqrt()[inside]
+            step = s[inside] / 255
+            floored = (root > 0) & (root < step / 2)
+            assert ((stored[floored] - step[floored]).abs() <= 2.0**-20 * step[floored]).all()
+            err = (stored - root).abs()[~floored]
+            assert (err <= step[~floored] / 2 * (1 + 2.0**-10) + ulp32(s[inside][~floored])).all()
+            # hence never below 2/3 of the true sqrt(v) (where the scale is an fp16 normal)
+            normal = s[inside] >= 2.0**-14
+            assert (stored[normal] >= 2 / 3 * root[normal] * (1 - 2.0**-10)).all()
     assert total_diffs <= max(2, total * 1e-4)
 
 
@@ -604,6 +613,36 @@ def test_companded_sqrt_negative_zero_and_bf16_input():
     dec = cp.decode(codes, scales, v.shape, cp.SQRT)
     assert dec.tolist()[:3] == [0.0, 0.0, 4.0]
     assert dec[3].item() == pytest.approx((128 / 255 * 2) ** 2, rel=1e-6)
+
+
+def test_companded_sqrt_floor_keeps_positive_second_moments_nonzero():
+    """Issue 15's rule: a positive sqrt(v) gets code 1 at least, where DESIGN §2.2's rounding gives 0
+    (below half a code step); 0, -0.0 and groups whose scale is 0 (underflow) or nan keep code 0.
+    Codes equal the fp64 reference exactly (no value here is near a .5 boundary)."""
+    fractions = [1e-12, 1e-6, 0.1 / 255, 0.49 / 255, 0.51 / 255, 1 / 255, 1.4 / 255, 0.31, 1.0]
+    groups = []
+    for top in (3 * 2.0**-14, 1e-3, 1.0, 300.0, 6e4):  # sqrt(v)'s absmax: fp16 normal scales
+        groups.append(torch.tensor([f * top for f in fractions] + [0.0] * (32 - len(fractions)), dtype=torch.float64).square())
+    groups.append(torch.tensor([2.0**-149, 1.0] + [0.0] * 30, dtype=torch.float64))  # the smallest fp32 v
+    groups.append(torch.full((32,), 2.0**-52, dtype=torch.float64))  # sqrt 2**-26: the scale underflows to 0
+    groups.append(torch.tensor([1e-20, math.nan] + [1.0] * 30, dtype=torch.float64))  # nan group
+    v = torch.stack(groups).float()
+    v[0, -1] = -0.0
+    codes, scales = cp.encode(v, cp.SQRT)
+    ref_codes, ref_scale = ref_companded_encode(v, cp.SQRT)
+    torch.testing.assert_close(scales.double(), ref_scale, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(codes.long().view(-1, 32), ref_codes)
+
+    codes = codes.view(-1, 32).long()
+    live = (v > 0) & (scales.float() > 0).view(-1, 1)  # positive v in a group with a positive scale
+    assert int(live.sum()) == 5 * len(fractions) + 2
+    assert (codes[live] >= 1).all() and (codes[~live] == 0).all()
+    # DESIGN §2.2's rounding would store 0 for 21 of them: this test sees the floor
+    paper = torch.floor(255 * v.double().sqrt() / ref_scale.view(-1, 1) + 0.5)
+    assert int((live & (paper == 0)).sum()) == 21
+    dec = cp.decode(codes.to(torch.uint8).view(-1), scales, v.shape, cp.SQRT)
+    assert (dec[live] > 0).all()
+    assert (dec[:6].sqrt() >= 2 / 3 * v[:6].sqrt() * (1 - 2.0**-20)).all()
 
 
 # ============================================================================ bytes per parameter (§2.3)

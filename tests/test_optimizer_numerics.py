@@ -72,8 +72,9 @@ def test_reference_formats_round_trip():
     back = ref_decode_state(codes, scales, v.shape, "signed")
     assert (back - v).abs().max() < 0.02
     assert codes[0].item() == -127 and codes[31].item() > 0
-    sq_codes, sq_scales = ref_state_encode(torch.tensor([4.0, 1.0, 0.0]), "sqrt")
-    assert sq_codes[:3].tolist() == [255, 128, 0] and sq_scales.tolist() == [2.0]
+    # sqrt 1e-3 is 1/4000 of the scale: DESIGN's rounding gives 0, the floor 1 (docs/numerics.md)
+    sq_codes, sq_scales = ref_state_encode(torch.tensor([4.0, 1.0, 0.0, 1e-6]), "sqrt")
+    assert sq_codes[:4].tolist() == [255, 128, 0, 1] and sq_scales.tolist() == [2.0]
 
 
 # ============================================================================ harness

@@ -11,8 +11,15 @@ near zero where most values are:
 
 Second moments store ``s = sqrt(v)`` linearly, which halves the dynamic range to cover:
 
-    u = s / scale(s);  q = floor(255 u + 0.5)                              (uint8)
+    u = s / scale(s);  q = floor(255 u + 0.5), and q = 1 where that is 0 but u > 0    (uint8)
     decode: v = (q / 255 * scale) ** 2
+
+The floor at code 1 is ours (issue 15; FlashOptim and DESIGN §2.2 round to 0): an element whose
+sqrt(v) is below 1/510 of its group's largest would decode to v = 0 while its first moment does
+not, and the next Adam step would divide m by sqrt((1 - beta2) g**2), this step's gradient alone
+(updates up to 1e6 times fp64 Adam's in benchmarks/second_moment_hazard.py). With the floor the
+stored sqrt(v) is at least 2/3 of the true one (normal fp16 scales): such elements are damped (as if their eps were
+scale/255), never blown up. docs/numerics.md has the measurements.
 
 Encoding divides by the *stored* fp16 scale (the ``scale`` of DESIGN §2.2 is the fp16 one), so the
 codes are relative to exactly what decode multiplies by. FlashOptim instead divides by the fp32
@@ -125,7 +132,9 @@ def _codes(values, scale, kind):
     if kind == SIGNED:
         y = 2 * u / (1 + u.abs())
         return torch.floor(127 * y + 0.5).clamp(-127, 127).to(torch.int8)
-    return torch.floor(255 * u + 0.5).clamp(0, 255).to(torch.uint8)
+    # The floor at code 1 for a positive sqrt(v) (module docstring). u > 0 exactly when s > 0 and
+    # the scale is positive (not underflowed to 0, not nan): those groups keep codes 0.
+    return torch.where(u > 0, torch.floor(255 * u + 0.5).clamp(1, 255), 0).to(torch.uint8)
 
 
 def decode(codes, scales, shape, kind):
