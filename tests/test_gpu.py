@@ -17,7 +17,9 @@ def _prepared(compiler, foreach=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=foreach)
-    flash_inductor.prepare(model, opt, compile_options={"compiler": compiler})
+    # every tensor 8-bit: every bucket runs the hand-written kernel (fp32-state buckets run Inductor's step,
+    # whose bias corrections use libdevice's pow; the reference below uses torch's eager pow)
+    flash_inductor.prepare(model, opt, min_quantized_numel=1, compile_options={"compiler": compiler})
     return model, opt
 
 
@@ -127,8 +129,9 @@ def test_flat_step_is_one_kernel_whatever_the_number_of_parameters(step_kernel):
     one per group and dtype, plus scalar work): the hand-written kernel, or Inductor's."""
     two, sixteen = _step_kernel_launches(2, step_kernel), _step_kernel_launches(16, step_kernel)
     assert two == sixteen, (two, sixteen)
-    update = "_adam_kernel" if step_kernel == "triton" else "amax"
-    assert sum(update in name for name in two) == 1 and len(two) <= 3, two
+    # the hand-written step: the step count, its bias corrections (pow, then 1 - pow) and the kernel
+    update, most = ("_adam_kernel", 5) if step_kernel == "triton" else ("amax", 3)
+    assert sum(update in name for name in two) == 1 and len(two) <= most, two
 
 
 ADAM_CASES = {
@@ -180,7 +183,9 @@ def test_triton_step_agrees_with_inductor_step_and_skips_parameters_without_grad
                 # one code step; without error terms two bf16 ulps: the stock update on bf16 parameters rounds
                 # after each in-place op (weight decay, then the step), the kernel once
                 code_step = torch.finfo(torch.bfloat16).eps * p.detach().double().abs() * (1 / 254 if master_weight_bits else 2)
-                tol = code_step + 4 * torch.finfo(torch.float32).eps * (masters["inductor"][name].double().abs() + LR)
+                # and 1e-4 of the update: Inductor's libdevice pow in ``1 - beta2 ** step`` was an ulp off torch's
+                # eager pow (the kernel's) on the H200, 3e-5 of the first update
+                tol = code_step + 4 * torch.finfo(torch.float32).eps * masters["inductor"][name].double().abs() + 1e-4 * LR
                 assert ((masters["triton"][name].double() - masters["inductor"][name].double()).abs() <= tol).all(), name
             bits = {k: stored_bits(*r) for k, r in runs.items()}
             for key, a in bits["triton"].items():
