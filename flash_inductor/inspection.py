@@ -100,6 +100,8 @@ class GraphBreak:
 
     @classmethod
     def from_log(cls, message):
+        """From one message of Dynamo's ``graph_breaks`` log (a skipped frame's has no "user code at"
+        line: its innermost traceback frame is the location)."""
         located = re.search(r"in user code at (.+):(\d+)\n", message)
         frames = re.findall(r'File "(.+?)", line (\d+)', message)
         where = located.groups() if located else frames[-1] if frames else ("?", "?")
