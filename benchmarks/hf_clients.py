@@ -377,11 +377,11 @@ def run_configuration(name, corpus, args, device, start_bytes):
 
 def snapshot_configuration(name, corpus, args, device, folder):
     """Record the allocator's history over build + 3 steps; write what is alive after the third."""
+    starts = train_starts(len(corpus.train), 3, args.batch, args.seq, args.seed).to(device)
     release_memory(device)
     before = allocated(device)
     existing = [(a, s) for a, s, _ in live_blocks(torch.cuda.memory._snapshot())]
     torch.cuda.memory._record_memory_history(max_entries=args.snapshot_entries, stacks="python")
-    starts = train_starts(len(corpus.train), 3, args.batch, args.seq, args.seed).to(device)
     setup, _, schedule = build(name, args, device)
     after_build = allocated(device) - before
     for rows in starts:

@@ -78,17 +78,19 @@ def analyse_snapshot(snapshot, report=None, python_storages=None, exclude=(), to
     ``report``: bytes by component (``memory_report``), compared with the total; ``python_storages``:
     {data pointer: bytes} of the storages of tensors Python can reach (``python_tensor_storages``),
     to tell the blocks no Python tensor points into; ``exclude``: (address, size) of blocks to leave
-    out. Returns a dict of totals and the ``top`` groups by (site, owner), largest first."""
+    out. Returns a dict of totals (``python_bytes``: of the reachable storages inside the blocks
+    analysed) and the ``top`` groups by (site, owner), largest first."""
     blocks = live_blocks(snapshot, exclude)
     pointers = sorted(python_storages or {})
     groups = collections.defaultdict(lambda: {"bytes": 0, "blocks": 0, "unreachable_bytes": 0})
     by_category = collections.Counter()
     by_owner_category = collections.Counter()
-    unreachable = 0
+    unreachable = python_bytes = 0
     for address, size, frames in blocks:
         site, owner = block_origin(frames)
-        i = bisect.bisect_left(pointers, address)
-        reachable = i < len(pointers) and pointers[i] < address + size  # a Python tensor's storage starts inside
+        inside = pointers[bisect.bisect_left(pointers, address):bisect.bisect_left(pointers, address + size)]
+        python_bytes += sum(python_storages[p] for p in inside)
+        reachable = bool(inside)  # a storage of a tensor Python reaches starts inside the block
         g = groups[site, owner]
         g["bytes"] += size
         g["blocks"] += 1
@@ -106,7 +108,7 @@ def analyse_snapshot(snapshot, report=None, python_storages=None, exclude=(), to
         "groups_left_out": max(0, len(ranked) - top),
     }
     if python_storages is not None:
-        out.update(python_bytes=sum(python_storages.values()), unreachable_bytes=unreachable)
+        out.update(python_bytes=python_bytes, unreachable_bytes=unreachable)
     if report is not None:
         without_grads = sum(v for k, v in report.items() if k != "grads")
         out.update(report_bytes=dict(report), report_without_grads_bytes=without_grads, gap_bytes=total - without_grads)

@@ -12,6 +12,7 @@ arguments (before anything changes) and puts the pieces together:
 
 import copy
 import dataclasses
+import math
 import types
 import weakref
 
@@ -155,7 +156,7 @@ def _encode_into(master, hi, lo_dtype):
     lo = torch.empty(hi.shape, dtype=lo_dtype, device=hi.device)
     rows_of = (lambda t: t.unsqueeze(0)) if hi.dim() == 0 else (lambda t: t)  # noqa: E731
     master, hi_rows, lo_rows = rows_of(master), rows_of(hi), rows_of(lo)
-    step = max(1, ENCODE_CHUNK // max(1, hi_rows[0].numel()))
+    step = max(1, ENCODE_CHUNK // max(1, math.prod(hi_rows.shape[1:])))
     for start in range(0, hi_rows.shape[0], step):
         h, e = split_weights.encode(master[start:start + step].float().contiguous(), hi.dtype, lo_dtype)
         hi_rows[start:start + step].copy_(h)

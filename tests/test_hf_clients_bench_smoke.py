@@ -143,7 +143,7 @@ def test_snapshot_analysis_groups_live_blocks_by_the_code_that_allocated_them(an
         ]},
     ]
     snapshot = {"segments": segments, "device_traces": [[]]}
-    python = {0: 64 * MiB, 200 * MiB: 4 * MiB, 544 * MiB: 8 * MiB}
+    python = {0: 64 * MiB, 200 * MiB: 4 * MiB, 544 * MiB: 8 * MiB, 552 * MiB: 4 * MiB, 900 * MiB: 1 * MiB}  # the last two: outside
     report = {"weights": 40 * MiB, "error_terms": 20 * MiB, "states": 40 * MiB, "state_scales": 2 * MiB, "grads": 40 * MiB}
     a = analysis.analyse_snapshot(snapshot, report, python, exclude=[(552 * MiB, 4 * MiB)], top=3)
 

@@ -57,7 +57,7 @@ def test_chunked_split_gives_the_bits_of_one_split(monkeypatch):
     monkeypatch.setattr(prepare_module, "ENCODE_CHUNK", 100)  # several chunks of every tensor but the scalar
     torch.manual_seed(0)
     module = nn.Module()
-    for name, shape in {"matrix": (300, 70), "vector": (1000,), "cube": (4, 50, 30), "scalar": ()}.items():
+    for name, shape in {"matrix": (300, 70), "vector": (1000,), "cube": (4, 50, 30), "scalar": (), "empty": (0,)}.items():
         module.register_parameter(name, nn.Parameter(torch.randn(shape) * 3))
     expected = {name: split_weights.encode(p.detach().clone(), torch.bfloat16, torch.int8) for name, p in module.named_parameters()}
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
