@@ -101,7 +101,8 @@ if _compat.HAS_TRITON:
         m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * g * g
         root = tl.sqrt(v)  # also the encoded value of the second moment (v >= 0)
-        x = x - (lr / correction1) * m / (root / tl.sqrt(correction2) + eps)
+        # a step at lr 0 keeps the weights, also where the update is nan (passes/untouched_parameters.py)
+        x = x - tl.where(lr != 0, (lr / correction1) * m / (root / tl.sqrt(correction2) + eps), 0.0)
 
         new_hi = x.to(weights.dtype.element_ty)
         tl.store(weights + at, new_hi, mask=mask)
