@@ -115,8 +115,8 @@ def main():
     parser.add_argument("--out", default="optimizer_step.json")
     parser.add_argument("--lists", default="64x2048x2048,gpt2_124m")
     parser.add_argument("--configs", default="torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_pypi",
-                        help="comma list of torch_fused_fp32, torch_fused_bf16, flashoptim, flashoptim_inductor, flashoptim_cudagraphs, "
-                             "flashoptim_combo, flashoptim_coordesc, flashoptim_tuned, "
+                        help="comma list of torch_fused_fp32, torch_fused_bf16, flashoptim, flashoptim_inductor, "
+                             "flashoptim_cudagraphs, flashoptim_combo, flashoptim_coordesc, flashoptim_tuned, "
                              "flashoptim_cppwrapper, flashoptim_exactdiv, flashoptim_bf16masters, flashoptim_fp32states, "
                              "flashoptim_pypi (skipped when not installed), flashoptim_block{B}_warps{W} (the hand-written kernel "
                              "with B groups of 32 per program and W warps)")

@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
-def _train(model, steps, **options):
+def _train_step(model, **options):
+    """A prepared AdamW and its ``train_step`` over ``model``, and one fixed batch of token ids."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
 
     @flash_inductor.train_step(model=model, optimizer=opt, **EAGER, **options)
     def step(ids):
@@ -29,6 +29,12 @@ def _train(model, steps, **options):
         return loss.detach()
 
     ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    return opt, step, ids
+
+
+def _train(model, steps, **options):
+    opt, step, ids = _train_step(model, **options)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
     losses = []
     for _ in range(steps):
         losses.append(float(step(ids)))
@@ -76,18 +82,7 @@ def test_llama_trains_with_flat_buckets_and_its_rms_norms_stay_fp32():
 def test_inspect_of_the_gpt2_train_step_takes_under_30_s_and_names_its_graph_breaks():
     """Measured on the 2-core CPU: 10-12 s with the eager compiler (the passes, no kernels). With
     Inductor it takes ~75 s, of which ~62 s is the compile any first call of the step pays."""
-    model = _gpt2()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-
-    @flash_inductor.train_step(model=model, optimizer=opt, **EAGER)
-    def step(ids):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    _, step, ids = _train_step(_gpt2())
     start = time.perf_counter()
     report = flash_inductor.inspect(step, ids)
     text = str(report)
