@@ -18,13 +18,11 @@ import functools
 import torch
 
 from flash_inductor import _compat
-from flash_inductor.formats import companded, split_weights
+from flash_inductor.formats import split_weights
 from flash_inductor.formats.state_tensor import CompandedState
 
-GROUP = companded.GROUP_SIZE
 BLOCK_GROUPS = 64  # groups of 32 per program, and warps: the fastest of those timed on the H200
 NUM_WARPS = 4
-_FORMATS = {torch.bfloat16: (7, 127), torch.float16: (10, 15)}  # mantissa bits, exponent bias
 
 if _compat.HAS_TRITON:
     import triton
@@ -65,7 +63,7 @@ if _compat.HAS_TRITON:
         MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr, CODE_SCALE: tl.constexpr, BLOCK: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        cols = tl.arange(0, 32)
+        cols = tl.arange(0, 32)  # a group: companded.GROUP_SIZE
         row_ok = rows < num_groups
         if PER_GROUP:
             correction1 = tl.load(corrections + rows, mask=row_ok, other=1.0)[:, None]
@@ -136,7 +134,7 @@ def ineligible(bucket, optimizer):
         return f"{type(optimizer).__name__} has no hand-written kernel"
     if group.get("amsgrad") or group.get("differentiable"):
         return "amsgrad/differentiable"
-    if bucket.weights.dtype not in _FORMATS:
+    if bucket.weights.dtype not in split_weights.SPLIT_DTYPES:
         return f"{bucket.weights.dtype} weights"
     if bucket.errors is not None and bucket.errors.dtype != torch.int8:
         return "32-bit masters (int16 error terms) use the exact split-weight pair"
@@ -157,7 +155,7 @@ def step(bucket, optimizer):
     bucket.step.add_(bucket.active)
     corrections = torch.pow(_device_betas(beta1, beta2, bucket.step.device), bucket.step).neg_().add_(1)
     m, v = bucket.states["exp_avg"], bucket.states["exp_avg_sq"]
-    mantissa, bias = _FORMATS[bucket.weights.dtype]
+    mantissa, bias = split_weights.mantissa_bits_and_bias(bucket.weights.dtype)
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
     grid = (triton.cdiv(bucket.num_groups, BLOCK_GROUPS),)
     _adam_kernel[grid](

@@ -66,6 +66,14 @@ _CODE_MAX = {torch.int8: 127, torch.int16: 32767}
 _FORMATS = {torch.bfloat16: (7, 127, torch.int16), torch.float16: (10, 15, torch.int16)}
 
 
+SPLIT_DTYPES = tuple(_FORMATS)
+
+
+def mantissa_bits_and_bias(hi_dtype):
+    """The mantissa bits and exponent bias of a split weight's ``hi`` dtype (bf16 or fp16)."""
+    return _FORMATS[hi_dtype][:2]
+
+
 def error_term_dtype(master_weight_bits):
     """The integer dtype that holds the error term for ``master_weight_bits`` (24 or 32; None: None)."""
     if master_weight_bits is None:
