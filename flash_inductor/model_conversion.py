@@ -1,6 +1,7 @@
 """What ``prepare`` does to the model: fp32 parameters and buffers become bf16, except
-normalization layers and modules the user keeps in fp32 (those get fp32 input/output casts).
-The fp32 values of the cast parameters become their masters."""
+normalization layers and modules the user keeps in fp32 (those get fp32 input/output casts) and
+the frequency tables of rotary position embeddings. The fp32 values of the cast parameters become
+their masters."""
 
 import fnmatch
 import re
@@ -30,6 +31,17 @@ def is_norm_layer(module):
         return True
     params = list(module.parameters(recurse=False))
     return bool(_NORM_CLASS_NAME.search(type(module).__name__)) and bool(params) and all(p.dim() == 1 for p in params)
+
+
+# Hugging Face's rotary embeddings (LlamaRotaryEmbedding, Qwen2RotaryEmbedding, ...) compute their
+# angles in fp32 from an ``inv_freq`` buffer and return cos/sin in the input's dtype: in bf16 that
+# buffer's rounding moves the angle at position 4095 by up to 1.8 rad (head size 64, base 10000).
+_ROTARY_CLASS_NAME = re.compile(r"RotaryEmbedding$")
+
+
+def keeps_fp32_buffers(module):
+    """A rotary position embedding: its fp32 buffers stay fp32 (it casts its outputs itself)."""
+    return bool(_ROTARY_CLASS_NAME.search(type(module).__name__))
 
 
 def keeps_fp32(name, module, patterns):
@@ -68,7 +80,7 @@ def convert_model(model, keep_fp32, held):
                 FP32_ORIGINALS[p] = original
                 retained.append((f"{name}.{pname}" if name else pname, original))
         for bname, b in module.named_buffers(recurse=False):
-            if b.dtype == torch.float32 and not fp8_delayed.is_state_buffer(bname):
+            if b.dtype == torch.float32 and not fp8_delayed.is_state_buffer(bname) and not keeps_fp32_buffers(module):
                 setattr(module, bname, b.to(torch.bfloat16))
     for module in kept:
         module_hooks.keep_fp32_with_io_casts(module)

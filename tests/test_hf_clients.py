@@ -60,7 +60,7 @@ def test_gpt2_trains_and_every_projection_runs_in_fp8():
     assert flash_inductor.memory_report(model, opt).total_per_param < 7.25
 
 
-def test_llama_trains_with_flat_buckets_and_its_rms_norms_stay_fp32():
+def test_llama_trains_with_flat_buckets_and_its_rms_norms_and_rotary_frequencies_stay_fp32():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=1000, max_position_embeddings=64)
@@ -69,6 +69,8 @@ def test_llama_trains_with_flat_buckets_and_its_rms_norms_stay_fp32():
     assert len(norms) == 5 and not any(isinstance(m, torch.nn.RMSNorm) for m in model.modules())
     opt, _, _, losses = _train(model, 4)
     assert losses[-1] < losses[0]
+    # the rotary embedding's frequencies stay fp32 (it computes its angles in fp32 and casts cos/sin)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     record = prepared(opt)
     # LlamaRMSNorm is not an nn.RMSNorm: it stays fp32 (its own master) all the same, and trains.
     for name, weight in norms.items():

@@ -80,6 +80,37 @@ def test_other_libraries_norm_layers_stay_fp32_and_projections_named_like_them_d
     torch.testing.assert_close(out.float(), original(x), atol=0.05, rtol=0.05)
 
 
+class LibraryRotaryEmbedding(nn.Module):
+    """A rotary embedding as Hugging Face writes them: fp32 frequencies, angles in fp32, cos/sin in x's dtype."""
+
+    def __init__(self, dim, base=10000.0):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, dim, 2).float() / dim), persistent=False)
+
+    def forward(self, x, positions):
+        angles = positions[:, None].float() * self.inv_freq.float()
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+
+class PositionTable(nn.Module):
+    def __init__(self, n, dim):
+        super().__init__()
+        self.register_buffer("table", torch.randn(n, dim))
+
+
+def test_rotary_frequencies_stay_fp32_and_other_buffers_become_bf16():
+    """In bf16 the frequencies' rounding moves the angle at position 4095 by up to 1.8 rad (head size
+    64, base 10000); kept fp32, the angles are those of the fp32 model, bit for bit."""
+    model = nn.ModuleDict({"rotary": LibraryRotaryEmbedding(64), "positions": PositionTable(8, 64), "proj": nn.Linear(64, 64)})
+    original = copy.deepcopy(model)
+    flash_inductor.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), compile_options=EAGER)
+    assert model["rotary"].inv_freq.dtype == torch.float32 and model["positions"].table.dtype == torch.bfloat16
+    x, positions = torch.randn(1, 64).bfloat16(), torch.arange(4096)
+    assert torch.equal(model["rotary"](x, positions)[0], original["rotary"](x, positions)[0])
+    rounded = original["rotary"].inv_freq.bfloat16().float()
+    assert (positions[-1] * (rounded - original["rotary"].inv_freq)).abs().max() > 0.1  # what bf16 would cost
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_models_keep_their_dtype_and_gain_masters(dtype):
     torch.manual_seed(0)
