@@ -48,8 +48,9 @@ def prepare(
       fp32, with their inputs cast to fp32 and outputs cast back. Normalization layers are torch's
       (``nn.LayerNorm``, ``nn.RMSNorm``, batch/group/instance norms) and any module whose class name
       ends in ``Norm`` (or ``Norm1d``/``2d``/``3d``) with parameters of its own that are all 1-D,
-      such as Hugging Face's ``LlamaRMSNorm`` or ``T5LayerNorm``. Already-bf16/fp16 models keep
-      their dtype.
+      such as Hugging Face's ``LlamaRMSNorm`` or ``T5LayerNorm``. fp32 buffers become bf16 too,
+      except those of rotary embeddings (class name ending in ``RotaryEmbedding``), which compute
+      their angles in fp32. Already-bf16/fp16 models keep their dtype.
     - Each bf16/fp16 parameter gets an error term: int8 for ``master_weight_bits=24``, int16 for
       32, none for None. An fp32 parameter's value becomes the master (nothing is lost).
     - Moment states are allocated as companded 8-bit codes with fp16 group scales
