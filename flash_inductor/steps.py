@@ -43,9 +43,11 @@ def route_step_through_buckets(optimizer, compile_options):
         stepping = flat.collect_gradients(record)  # checks each gradient it has to copy in
         checks.check_numerics(record, self)
         module_hooks.forget_loaded_error_terms(record.params())
-        why_not = {b: triton_adam.ineligible(b, b.optimizer) if hand_written else "option step_kernel" for b in stepping}
-        inspection.note_step_kernels({b.name: why_not[b] for b in stepping})
-        by_kernel = [b for b in stepping if why_not[b] is None]
+        by_kernel = []
+        if hand_written:
+            why_not = {b.name: triton_adam.ineligible(b, b.optimizer) for b in stepping}
+            inspection.note_step_kernels(why_not)
+            by_kernel = [b for b in stepping if why_not[b.name] is None]
         for bucket in by_kernel:
             triton_adam.step(bucket, bucket.optimizer)
         compiled_buckets = [b.optimizer for b in stepping if b not in by_kernel]
