@@ -25,6 +25,8 @@
 #   blocks     issue 13: the hand-written step's GPU tests, and its launch shapes (groups per program, warps)
 #   final13    issue 13/14 in one call: the hand-written step's GPU tests, the three lists with the peers,
 #              and HF GPT-2 124M (baseline, flashoptim, flashoptim + FP8) with plots
+#   step3      issue 13/14: the hand-written step's GPU tests (three launches), its launch shapes again, and a
+#              profile of HF GPT-2's train step (baseline, flashoptim, flashoptim + FP8: wall vs GPU time, kernels)
 #   quality    issue 15: GPT 124M, 1500 steps with the schedule, 3 seeds (seed-major) of the fp32 baseline,
 #              flashoptim and flashoptim + FP8, 3 runs at once, stopped at 505 s; QUALITY_ARGS replaces the
 #              selection (e.g. "--pairs flashoptim_fp8:2 flashoptim_no_masters:0 ..."), NAME the output name
@@ -61,6 +63,14 @@ case $stage in
     logged optimizer_step_final_h200 150 optimizer_step.py --lists 64x2048x2048,gpt2_124m,gpt_1b \
       --configs torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_inductor,flashoptim_pypi,flashoptim_block128_warps4
     logged hf_clients_gpt2_h200 270 hf_clients.py --model gpt2 --configs baseline,flashoptim,flashoptim_fp8 --plot "$out"
+    ;;
+  step3)
+    timeout 150 python -m pytest -v -m gpu tests/test_gpu.py 2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_step3_h200.log"
+    tail -4 "$out/gpu_tests_step3_h200.log"
+    logged optimizer_step_step3_h200 170 optimizer_step.py --lists 64x2048x2048,gpt2_124m \
+      --configs torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_block16_warps2,flashoptim_block32_warps2,flashoptim_block128_warps8
+    logged hf_profile_gpt2_h200 260 hf_clients.py --model gpt2 --configs baseline,flashoptim,flashoptim_fp8 \
+      --steps 25 --warmup 10 --log-every 25 --profile 5
     ;;
   blocks)
     timeout 240 python -m pytest -v -m gpu tests/test_gpu.py 2>&1 | grep -v "^DEBUG" | tee "$out/gpu_tests_blocks_h200.log"

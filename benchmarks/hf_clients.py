@@ -68,6 +68,7 @@ import torch.nn.functional as F
 import flash_inductor
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from gpu_profile import step_profile  # noqa: E402
 from snapshot_analysis import analyse_snapshot, format_analysis, live_blocks, python_tensor_storages  # noqa: E402
 from train_gpt import (  # noqa: E402
     GPT,
@@ -360,6 +361,10 @@ def run_configuration(name, corpus, args, device, start_bytes):
         else:
             r["steady_peak_bytes"] = peak
     r.update(timing(r["step_s"], args.warmup, args.batch * args.seq))
+    if args.profile and cuda:
+        x, y = batch(corpus.train, starts[-1], args.seq)
+        r["profile"] = step_profile(lambda: setup.step(x, y).item(), calls=args.profile)
+        print_profile(r["profile"])
     components = memory_components(setup)
     num_params = sum(p.numel() for p in setup.model.parameters())
     without_grads = sum(v for k, v in components.items() if k != "grads")
@@ -370,6 +375,14 @@ def run_configuration(name, corpus, args, device, start_bytes):
              between_steps_vs_report=None if between is None else between / without_grads,
              last50_loss=sum(last) / len(last))
     return r
+
+
+def print_profile(profile):
+    print(f"  profile: wall {profile['wall_ms']:.2f} ms per step, GPU busy {profile['gpu_busy_ms']:.2f} ms")
+    for title, rows in (("GPU kernels", profile["gpu_kernels"]), ("CPU operators (self)", profile["cpu_self"])):
+        print(f"    {title}: calls per step, us per step")
+        for name, calls, us in rows:
+            print(f"      {us:10.1f} {calls:5d}  {name}")
 
 
 # ---------------------------------------------------------------------------------------- snapshot
@@ -515,6 +528,8 @@ def parse_args(argv):
     parser.add_argument("--report-from", nargs="+", metavar="JSON",
                         help="no training: merge these result files of one model (a run made in parts) into --out, "
                              "with the targets, the table and the plots (--plot)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="CUDA: after training, profile N more steps (wall vs GPU busy time, top kernels and CPU operators)")
     parser.add_argument("--snapshot", metavar="DIR", help="CUDA: memory snapshot of each configuration instead of training")
     parser.add_argument("--snapshot-entries", type=int, default=100_000, help="allocator events kept by the snapshot")
     args = parser.parse_args(argv)

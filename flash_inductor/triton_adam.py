@@ -57,7 +57,7 @@ if _compat.HAS_TRITON:
 
     @triton.jit
     def _adam_kernel(
-        weights, errors, grads, m_codes, m_scales, v_codes, v_scales, corrections, active,
+        weights, errors, grads, m_codes, m_scales, v_codes, v_scales, beta_powers, active,
         num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
         DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_ERRORS: tl.constexpr, PER_GROUP: tl.constexpr,
         MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr, CODE_SCALE: tl.constexpr, BLOCK: tl.constexpr,
@@ -65,14 +65,18 @@ if _compat.HAS_TRITON:
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         cols = tl.arange(0, 32)  # a group: companded.GROUP_SIZE
         row_ok = rows < num_groups
+        # bias corrections 1 - beta ** step (fp32, as torch's eager Adam) folded into per-row or per-bucket
+        # factors, so that each element costs one division
         if PER_GROUP:
-            correction1 = tl.load(corrections + rows, mask=row_ok, other=1.0)[:, None]
-            correction2 = tl.load(corrections + num_groups + rows, mask=row_ok, other=1.0)[:, None]
+            power1 = tl.load(beta_powers + rows, mask=row_ok, other=0.0)[:, None]
+            power2 = tl.load(beta_powers + num_groups + rows, mask=row_ok, other=0.0)[:, None]
             ok = row_ok & (tl.load(active + rows, mask=row_ok, other=0) != 0)
         else:  # one step count for the bucket
-            correction1 = tl.load(corrections)
-            correction2 = tl.load(corrections + 1)
+            power1 = tl.load(beta_powers)
+            power2 = tl.load(beta_powers + 1)
             ok = row_ok
+        step_size = lr / (1 - power1)
+        inverse_root_correction2 = 1 / tl.sqrt_rn(1 - power2)
         at = rows[:, None] * 32 + cols[None, :]
         mask = ok[:, None]
 
@@ -100,7 +104,7 @@ if _compat.HAS_TRITON:
         v = v * beta2 + one_minus_beta2 * g * g
         root = tl.sqrt(v)  # also the encoded value of the second moment (v >= 0)
         # a step at lr 0 keeps the weights, also where the update is nan (passes/untouched_parameters.py)
-        x = x - tl.where(lr != 0, (lr / correction1) * m / (root / tl.sqrt(correction2) + eps), 0.0)
+        x = x - tl.where(lr != 0, step_size * m / (root * inverse_root_correction2 + eps), 0.0)
 
         new_hi = x.to(weights.dtype.element_ty)
         tl.store(weights + at, new_hi, mask=mask)
@@ -147,20 +151,21 @@ def ineligible(bucket, optimizer):
 
 def step(bucket, optimizer):
     """One Adam/AdamW step of ``bucket`` (``ineligible`` said None), in place: the step counts of its
-    active groups advance, their bias corrections ``1 - beta ** step`` are computed as torch's eager
+    active groups advance, ``beta ** step`` of their bias corrections is computed as torch's eager
     Adam does (fp32 pow on the device: libdevice's pow inside the kernel was an ulp off for 0.999 ** 1
-    on the H200, 3e-5 of the first updates), then one kernel updates weights, error terms and states."""
+    on the H200, 3e-5 of the first updates), then one kernel updates weights, error terms and states:
+    three launches."""
     group = optimizer.param_groups[0]
     lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
     bucket.step.add_(bucket.active)
-    corrections = torch.pow(_device_betas(beta1, beta2, bucket.step.device), bucket.step).neg_().add_(1)
+    beta_powers = torch.pow(_device_betas(beta1, beta2, bucket.step.device), bucket.step)
     m, v = bucket.states["exp_avg"], bucket.states["exp_avg_sq"]
     mantissa, bias = split_weights.mantissa_bits_and_bias(bucket.weights.dtype)
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
     grid = (triton.cdiv(bucket.num_groups, BLOCK_GROUPS),)
     _adam_kernel[grid](
         bucket.weights, bucket.errors if bucket.errors is not None else bucket.weights, bucket.grads,
-        m.codes, m.scales, v.codes, v.scales, corrections, bucket.active,
+        m.codes, m.scales, v.codes, v.scales, beta_powers, bucket.active,
         bucket.num_groups, lr, 1 - beta1, beta2, 1 - beta2,
         float(group["eps"]), float(group["weight_decay"]),
         DECOUPLED=bool(decoupled), MAXIMIZE=bool(group.get("maximize")), HAS_ERRORS=bucket.errors is not None,
