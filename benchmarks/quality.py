@@ -483,7 +483,21 @@ def verdict(summary):
             allowed = max(tolerance * base["mean"], 2 * base["std"])
             verdicts[config] = dict(result="pass" if abs(difference) <= allowed else "fail", rule=rule, difference=difference,
                                     relative=difference / base["mean"], allowed=allowed)
+        if base is not None and config in verdicts:
+            verdicts[config]["paired"] = paired_differences(entry, base)
     return verdicts
+
+
+def paired_differences(entry, base):
+    """Seed by seed (same initial weights, same batches), the relative difference of the final held-out
+    loss from (a)'s: the seeds' spread in (a) is mostly when each run's loss drops, which pairing
+    removes. Mean and standard deviation over the seeds both finished, or None without any."""
+    of_base = dict(zip(base["seeds"], base["final_heldout"]))
+    relative = {seed: loss / of_base[seed] - 1 for seed, loss in zip(entry["seeds"], entry["final_heldout"]) if seed in of_base}
+    if not relative:
+        return None
+    mean, std = _mean_std(list(relative.values()))
+    return dict(per_seed=relative, mean=mean, std=std)
 
 
 def print_summary(summary, verdicts):
@@ -497,6 +511,10 @@ def print_summary(summary, verdicts):
         rel = f"{(s['mean'] / base['mean'] - 1) * 100:+.2f}%" if s["mean"] is not None and base and base["mean"] else "-"
         v = verdicts.get(config)
         notes = [v["result"] + (f" ({v['reason']})" if "reason" in v else f" (allowed ±{v['allowed']:.4f})")] if v else []
+        if v and v.get("paired"):
+            paired = v["paired"]
+            notes.append(f"paired by seed {paired['mean']:+.2%}" + (f" ± {paired['std']:.2%}" if paired["std"] is not None else "")
+                         + f" over {len(paired['per_seed'])}")
         notes += [f"diverged {s['diverged']}"] * bool(s["diverged"]) + [f"incomplete {s['incomplete']}"] * bool(s["incomplete"])
         print(f"{config:<24}{s['label']:>5}{len(s['seeds']):>7}{mean:>30}{rel:>9}  {'; '.join(notes)}")
         if "hazard" in s:
