@@ -493,7 +493,8 @@ def paired_differences(entry, base):
     loss from (a)'s: the seeds' spread in (a) is mostly when each run's loss drops, which pairing
     removes. Mean and standard deviation over the seeds both finished, or None without any."""
     of_base = dict(zip(base["seeds"], base["final_heldout"]))
-    relative = {seed: loss / of_base[seed] - 1 for seed, loss in zip(entry["seeds"], entry["final_heldout"]) if seed in of_base}
+    finals = zip(entry["seeds"], entry["final_heldout"])
+    relative = {str(seed): loss / of_base[seed] - 1 for seed, loss in finals if seed in of_base}
     if not relative:
         return None
     mean, std = _mean_std(list(relative.values()))

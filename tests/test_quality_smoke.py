@@ -92,6 +92,10 @@ def test_aggregate_summary_and_verdict(protocol_run, quality):
         assert entry["std"] == pytest.approx(abs(finals[0] - finals[1]) / math.sqrt(2))
         assert entry["heldout_curve"]["steps"] == [0, 5, 10] and len(entry["train_curve"]["mean"]) == 10
     assert combined["verdict"]["flashoptim"]["result"] == "not enough seeds"
+    finals = {config: [combined["runs"][f"{config}_seed{s}"]["heldout"][-1]["loss"] for s in (0, 1)]
+              for config in ("fp32_fused_autocast", "flashoptim")}
+    paired = combined["verdict"]["flashoptim"]["paired"]["per_seed"]
+    assert paired == pytest.approx({str(s): finals["flashoptim"][s] / finals["fp32_fused_autocast"][s] - 1 for s in (0, 1)})
     assert combined["info"]["corpus"]["files"] > 1000
     if importlib.util.find_spec("matplotlib"):
         assert (folder / "quality.png").stat().st_size > 10_000
