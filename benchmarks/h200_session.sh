@@ -29,7 +29,8 @@
 #              profile of HF GPT-2's train step (baseline, flashoptim, flashoptim + FP8: wall vs GPU time, kernels)
 #   quality    issue 15: GPT 124M, 1500 steps with the schedule, 3 seeds (seed-major) of the fp32 baseline,
 #              flashoptim and flashoptim + FP8, 3 runs at once, stopped at 505 s; QUALITY_ARGS replaces the
-#              selection (e.g. "--pairs flashoptim_fp8:2 flashoptim_no_masters:0 ..."), NAME the output name
+#              selection (e.g. "--pairs flashoptim_fp8:2 flashoptim_no_masters:0 ..."), NAME the output name,
+#              QUALITY_JOBS the runs at once (3), QUALITY_DEADLINE the seconds after which none starts (505)
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
 #              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
 #   hfgpt2     issue 14: Hugging Face GPT-2 124M, 300 steps, every row of hf_clients.py, with plots
@@ -180,8 +181,9 @@ case $stage in
   quality)
     name=${NAME:-quality_h200}
     # shellcheck disable=SC2086  # QUALITY_ARGS is a list of arguments
-    logged "$name" 540 quality.py ${QUALITY_ARGS:---seeds 0 1 2 --configs fp32_fused_autocast,flashoptim,flashoptim_fp8} \
-      --jobs 3 --deadline-s 505 --runs-dir /tmp/quality --plot "$out/$name.png"
+    deadline=${QUALITY_DEADLINE:-505}
+    logged "$name" $((deadline + 35)) quality.py ${QUALITY_ARGS:---seeds 0 1 2 --configs fp32_fused_autocast,flashoptim,flashoptim_fp8} \
+      --jobs "${QUALITY_JOBS:-3}" --deadline-s "$deadline" --runs-dir /tmp/quality --plot "$out/$name.png"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
