@@ -27,6 +27,8 @@
 #              and HF GPT-2 124M (baseline, flashoptim, flashoptim + FP8) with plots
 #   step3      issue 13/14: the hand-written step's GPU tests (three launches), its launch shapes again, and a
 #              profile of HF GPT-2's train step (baseline, flashoptim, flashoptim + FP8: wall vs GPU time, kernels)
+#   landing    issue 14/15: HF GPT-2's train step profiled again (gradients accumulate into preset views), then
+#              the quality protocol's (e) rows, three seeds
 #   quality    issue 15: GPT 124M, 1500 steps with the schedule, 3 seeds (seed-major) of the fp32 baseline,
 #              flashoptim and flashoptim + FP8, 3 runs at once, stopped at 505 s; QUALITY_ARGS replaces the
 #              selection (e.g. "--pairs flashoptim_fp8:2 flashoptim_no_masters:0 ..."), NAME the output name,
@@ -64,6 +66,12 @@ case $stage in
     logged optimizer_step_final_h200 150 optimizer_step.py --lists 64x2048x2048,gpt2_124m,gpt_1b \
       --configs torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_inductor,flashoptim_pypi,flashoptim_block128_warps4
     logged hf_clients_gpt2_h200 270 hf_clients.py --model gpt2 --configs baseline,flashoptim,flashoptim_fp8 --plot "$out"
+    ;;
+  landing)
+    logged hf_profile_gpt2_landing_h200 230 hf_clients.py --model gpt2 --configs baseline,flashoptim,flashoptim_fp8 \
+      --steps 25 --warmup 10 --log-every 25 --profile 5
+    logged quality_ablation_h200 305 quality.py --pairs flashoptim_no_masters:0 flashoptim_no_masters:1 flashoptim_no_masters:2 \
+      --jobs 3 --deadline-s 270 --runs-dir /tmp/quality --plot "$out/quality_ablation_h200.png"
     ;;
   step3)
     timeout 150 python -m pytest -v -m gpu tests/test_gpu.py 2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_step3_h200.log"

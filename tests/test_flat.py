@@ -3,8 +3,9 @@
 1. Layout: parameters, error terms and states are views of one flat buffer per bucket, every
    segment starting at a multiple of 32; the padding stays zero through training.
 2. Gradients land in the flat buffer (first backward, after ``opt.zero_grad()`` and
-   ``model.zero_grad()``, accumulated over two backwards); a gradient replaced by another tensor
-   is used; ``zero_grad()`` frees the flat buffer.
+   ``model.zero_grad()``, accumulated over two backwards; from the second step on into preset
+   views, without copies); a gradient replaced by another tensor is used; ``zero_grad()`` frees
+   the flat buffer.
 3. One step for all: the rewritten step graph has as many nodes, and Inductor as many kernels,
    for 8 parameters as for 2.
 4. Stock semantics: a parameter without a gradient keeps every stored bit and its step count, and
@@ -14,6 +15,7 @@
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flash_inductor
 from flash_inductor import flat
@@ -109,6 +111,55 @@ def test_gradients_land_in_the_flat_buffer_and_zero_grad_frees_it():
     assert _inside(model.fc1.weight.grad, bucket.grads) and torch.equal(model.fc1.weight.grad, first)
     opt.zero_grad(set_to_none=False)
     assert _inside(model.fc1.weight.grad, bucket.grads) and not bool(model.fc1.weight.grad.any())
+
+
+class _CountCopies(TorchDispatchMode):
+    """How many ``copy_`` calls run under it (the landing of a gradient autograd created)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.copies += func is torch.ops.aten.copy_.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_from_the_second_step_gradients_accumulate_into_preset_views_without_copies():
+    """The first gradient of a backward presets the views of the parameters that had one in the last
+    step: autograd then adds into them in place, so one copy per bucket lands gradients, not one per
+    parameter, with the same values. A preset parameter that gets no gradient is None again at the
+    step and keeps every stored bit, as in torch."""
+    model, opt = _prepared_net()
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    params = dict(model.named_parameters())
+    record = prepared(opt)
+
+    def backward(use_extra=True):
+        loss = model(x).float().square().mean() + (model.extra(x[:, :3]).float().sum() if use_extra else 0)
+        expected = torch.autograd.grad(loss, list(params.values()), retain_graph=True, allow_unused=True)
+        with _CountCopies() as counter:
+            loss.backward()
+        return counter.copies, dict(zip(params, expected))
+
+    copies, _ = backward()
+    assert copies == len(params)  # the first step: every gradient is copied in
+    opt.step()
+    opt.zero_grad()
+    copies, expected = backward()
+    assert copies == len(record.buckets)
+    for name, p in params.items():
+        assert torch.equal(p.grad, expected[name]), name
+        views = [view for b in record.buckets for q, view in zip(b.params, b.grad_views) if q is p]
+        assert len(views) == 1 and views[0] is p.grad, name
+    opt.step()
+    opt.zero_grad()
+    before = {k: v for k, v in snapshot(model, opt).items() if k.startswith("extra.")}
+    backward(use_extra=False)
+    opt.step()
+    assert model.extra.weight.grad is None and model.extra.bias.grad is None
+    after = {k: v for k, v in snapshot(model, opt).items() if k.startswith("extra.")}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_replaced_gradients_give_the_same_step_as_gradients_in_place():
