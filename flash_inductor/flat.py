@@ -18,9 +18,10 @@ so checkpoints, ``memory_report`` and inspection read them as before.
 The step is the user's optimizer class run once per bucket, on a *bucket optimizer*: an instance of
 the same class whose one parameter is ``weights.view(G, 32)``, whose gradient is ``grads.view(G,
 32)`` and whose states are the flat states. Its hyperparameters are the user's group's, read before
-every step. Dynamo traces the stock update once per bucket, whatever the number of parameters;
-the storage passes rewrite it like any prepared step, and ``passes/untouched_parameters`` keeps the
-groups of parameters without a gradient as they were (``active``). The step count is per group so
+every step (SGD's momentum through a tensor of the bucket: ``BoundHyperparameter``). Dynamo traces
+the stock update once per bucket, whatever the number of parameters; the storage passes rewrite it
+like any prepared step, and ``passes/untouched_parameters`` keeps the groups of parameters without
+a gradient as they were (``active``). The step count is per group so
 that a parameter skipped in some steps keeps its own count, as in torch.
 """
 
@@ -31,7 +32,7 @@ import weakref
 
 import torch
 
-from flash_inductor import checks, roles
+from flash_inductor import checks, registry, roles
 from flash_inductor.formats import companded
 from flash_inductor.formats.state_tensor import CompandedState, Fp32State
 
@@ -121,6 +122,7 @@ class Bucket:
         self._received, self._last_received, self._expected = set(), set(), set()
         self._tensor_hyperparameters = {}  # key -> the fp32 tensors the bucket optimizer's group holds
         self._first_hyperparameters = {}  # key -> its value at the first step
+        self.bound = _bind_hyperparameter(optimizer, group_index) if flat_step else None
         self.optimizer = None  # the bucket optimizer, made once the storage is in place
         self.adopt_steps(optimizer)
         self.optimizer = _bucket_optimizer(optimizer, record, self) if flat_step else None
@@ -296,15 +298,17 @@ class Bucket:
 
     def sync_hyperparameters(self, optimizer):
         """The user's current hyperparameters (the same ``lr`` tensor) on the bucket optimizer.
-        Float betas that change become fp32 tensors the bucket keeps and refills: schedulers change
-        them every step (OneCycleLR), and a float is a constant of the compiled step (a recompile
-        each)."""
+        Schedulers change betas and momentum every step (OneCycleLR), and a float is a constant of
+        the compiled step (a recompile each): float betas that change become fp32 tensors the bucket
+        keeps and refills, and the bound hyperparameter (SGD's momentum) fills its tensor."""
         group = self.optimizer.param_groups[0]
         for key, value in optimizer.param_groups[self.group_index].items():
             if key in ("params", *_BUCKET_SETTINGS):
                 continue
             if key in _TENSOR_HYPERPARAMETERS and _floats(value):
                 value = self._betas_as_tensors_once_changed(key, value)
+            elif key == registry.bound_hyperparameter(type(optimizer)):
+                value = self._bound_value(optimizer, key, value)
             group[key] = value
 
     def _betas_as_tensors_once_changed(self, key, value):
@@ -321,14 +325,54 @@ class Bucket:
                 t.fill_(v)
         return held
 
+    def _bound_value(self, optimizer, key, value):
+        """What the bucket optimizer's group holds for the bound hyperparameter: the bucket's NaN,
+        its tensor refilled with ``value``; or ``value`` itself where it is not bound (0 at prepare:
+        no momentum buffers). It may not move to or from 0: the update then skips its buffer, which
+        the traced step does not (and prepare gave no buffers to a group whose momentum was 0)."""
+        if isinstance(value, (int, float)) and bool(value) != (self.bound is not None):
+            where = f"param_groups[{self.group_index}]['{key}']"
+            was = "nonzero" if self.bound is not None else 0
+            raise ValueError(
+                f"flash_inductor: {type(optimizer).__name__}'s {where} became {value!r}, and it was {was} when the optimizer "
+                f"was prepared: a prepared step keeps {key} buffers exactly where {key} was nonzero then. A scheduler may "
+                f"change {key} but not to or from 0; prepare the optimizer with the {key} the schedule starts from"
+            )
+        if self.bound is None:
+            return value
+        self.bound.tensor.fill_(value)
+        return self.bound.traced_as
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BoundHyperparameter:
+    """A float hyperparameter the flat step reads from ``tensor`` (registry.bound_hyperparameter):
+    Dynamo traces the bucket's own NaN object ``traced_as`` in its place (a NaN passes the update's
+    ``!= 0`` branch and guards as NaN whatever the value), and passes/bound_hyperparameters.py
+    replaces that NaN by ``tensor``."""
+
+    key: str
+    tensor: torch.Tensor  # fp32, 0-dim, filled with the group's value before every step
+    traced_as: float = dataclasses.field(default_factory=lambda: float("nan"))
+
+
+def _bind_hyperparameter(optimizer, group_index):
+    """The bucket's BoundHyperparameter, or None (its optimizer has none, or its value is 0 or no number)."""
+    key = registry.bound_hyperparameter(type(optimizer))
+    value = optimizer.param_groups[group_index].get(key)
+    if key is None or not isinstance(value, (int, float)) or value == 0:
+        return None
+    return BoundHyperparameter(key, torch.tensor(float(value), dtype=torch.float32))
+
 
 # What a bucket optimizer's group sets itself, whatever the user's group says: the single-tensor
 # update (the one Inductor fuses), and for Adam the capturable form, whose bias corrections are
 # tensor ops and so broadcast the per-group step count.
 _BUCKET_SETTINGS = {"foreach": False, "capturable": True}
 
-# Float hyperparameters the stock updates take as tensors too (Adam's and Lion's betas); others
-# (SGD's momentum decides branches) stay constants of the compiled step.
+# Float hyperparameters the stock updates take as tensors too (Adam's and Lion's betas); SGD's
+# momentum decides branches, and is bound instead (BoundHyperparameter); others stay constants of
+# the compiled step.
 _TENSOR_HYPERPARAMETERS = {"betas"}
 
 
@@ -366,6 +410,8 @@ def _bucket_optimizer(optimizer, record, bucket):
     flat.grad = bucket.grads.view(bucket.num_groups, GROUP)
     group = {k: v for k, v in optimizer.param_groups[bucket.group_index].items() if k != "params"}
     group.update((k, v) for k, v in _BUCKET_SETTINGS.items() if k in group)
+    if bucket.bound is not None:
+        group[bucket.bound.key] = bucket.bound.traced_as
     state = dict(bucket.states)
     if bucket.step is not None:
         state["step"] = bucket.step
@@ -384,6 +430,7 @@ def _bucket_optimizer(optimizer, record, bucket):
         gradient_release=None,
         buckets=[],
         active_groups=bucket.active,
+        bound_hyperparameter=bucket.bound,
     )
     return proxy
 

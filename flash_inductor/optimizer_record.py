@@ -32,6 +32,7 @@ class PreparedOptimizer:
     compile_options: dict = dataclasses.field(default_factory=dict)  # how its step is compiled
     buckets: list = dataclasses.field(default_factory=list)  # flat.Bucket, when its step is flat
     active_groups: object = None  # of a bucket optimizer: its Bucket.active mask
+    bound_hyperparameter: object = None  # of a bucket optimizer: its Bucket.bound (flat.BoundHyperparameter)
 
     @property
     def optimizer(self):

@@ -2,7 +2,8 @@
 
 An entry says which per-parameter states the class keeps and how each is companded (signed
 softsign codes, or sqrt-linear codes for a second moment), whether it keeps a ``step`` counter,
-and that its update is elementwise: what the 8-bit group layout and the flat step over
+which float hyperparameter its flat step reads from a tensor (SGD's momentum), and that its update
+is elementwise: what the 8-bit group layout and the flat step over
 ``(groups, 32)`` views need (a non-elementwise update, such as a per-tensor norm, would mix
 parameters' segments). ``prepare`` allocates the states an entry names, checkpoints restore them,
 ``flash_inductor/flat.py`` lays them out; the tests parametrize over ``SUPPORTED``. Supporting
@@ -31,6 +32,11 @@ class OptimizerEntry:
     states: Callable[[dict], dict]  # param group -> {state key: companded kind}
     counts_steps: bool
     elementwise: bool = True
+    # A float hyperparameter that schedulers change every step and that the update both branches
+    # on (``if momentum != 0``) and multiplies by, so it can be neither a constant of the compiled
+    # step (a recompile per value) nor a plain tensor (a graph break at the branch): the flat step
+    # traces it as NaN and binds that NaN to an fp32 tensor (passes/bound_hyperparameters.py).
+    bound_hyperparameter: str | None = None
 
     def layout(self, group):
         return StateLayout(self.states(group), self.counts_steps)
@@ -48,14 +54,18 @@ def _momentum_states(group):
 SUPPORTED = {
     torch.optim.AdamW: OptimizerEntry(_adam_states, counts_steps=True),
     torch.optim.Adam: OptimizerEntry(_adam_states, counts_steps=True),
-    torch.optim.SGD: OptimizerEntry(_momentum_states, counts_steps=False),
-    SGDW: OptimizerEntry(_momentum_states, counts_steps=False),
+    torch.optim.SGD: OptimizerEntry(_momentum_states, counts_steps=False, bound_hyperparameter="momentum"),
+    SGDW: OptimizerEntry(_momentum_states, counts_steps=False, bound_hyperparameter="momentum"),
     Lion: OptimizerEntry(lambda group: {"exp_avg": companded.SIGNED}, counts_steps=False),
 }
 
 
 def layout(optimizer_class, group) -> StateLayout:
     return SUPPORTED[optimizer_class].layout(group)
+
+
+def bound_hyperparameter(optimizer_class) -> str | None:
+    return SUPPORTED[optimizer_class].bound_hyperparameter
 
 
 def check_supported(optimizer):

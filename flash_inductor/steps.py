@@ -103,10 +103,11 @@ def run_compiled_step(compiled, optimizer, *args):
     were freed stay in that cache and count towards the limit, so the room is sized by every step
     run so far (two entries each: a hook in CUDA's autograd thread runs under another grad mode).
     Past the limit Dynamo would silently run the step eagerly, without the passes; it raises
-    instead. Float hyperparameters (betas, weight decay, momentum) are specialized: a changed value
-    recompiles the step, where Dynamo would otherwise make it a graph input read with ``.item()``,
-    which the passes cannot rewrite; a recompile limit hit because they change every step raises
-    an error naming them.
+    instead. Float hyperparameters (weight decay; with gradient release or FSDP2 also betas and
+    momentum) are specialized: a changed value recompiles the step, where Dynamo would otherwise
+    make it a graph input read with ``.item()``, which the passes cannot rewrite; a recompile limit
+    hit because they change every step raises an error naming them. The flat step takes the ones
+    schedulers change every step from tensors instead (flat.py: betas, SGD's momentum).
     """
     global _run_step_count
     if compiled not in _RUN_STEPS:
@@ -132,9 +133,9 @@ def run_compiled_step(compiled, optimizer, *args):
             raise RuntimeError(
                 f"flash_inductor: the {type(optimizer).__name__} step recompiled for every new value of "
                 f"{', '.join(changing)} and hit Dynamo's recompile limit: float hyperparameters are constants of the "
-                "compiled step (lr, and Adam's and Lion's betas, are tensors and may change freely). A scheduler "
-                "that changes them every step, such as OneCycleLR with its default cycle_momentum=True (SGD's "
-                "momentum), needs cycle_momentum=False; or keep them fixed"
+                "compiled step, except lr, and (in the flat step, not with gradient_release=True or FSDP2) Adam's "
+                "and Lion's betas and SGD's momentum, which may change every step. Keep the others fixed; with "
+                "gradient release or FSDP2, a scheduler such as OneCycleLR needs cycle_momentum=False"
             ) from error
 
 

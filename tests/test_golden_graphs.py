@@ -4,12 +4,18 @@ Uses ``compiler="eager"``: the same torch-level passes as with Inductor, without
 kernels. Regenerate after an intended change with ``EXPECTTEST_ACCEPT=1 pytest tests/test_golden_graphs.py``.
 """
 
+import types
+
 import expecttest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
 import flash_inductor
+from flash_inductor.flat import BoundHyperparameter
 from flash_inductor.optim import SGDW, Lion
+from flash_inductor.passes.bound_hyperparameters import bound_hyperparameters_pass
+from flash_inductor.pipeline import PassContext
 
 
 def rewritten_code(make_optimizer, stage):
@@ -34,7 +40,7 @@ class TestGoldenGraphs(expecttest.TestCase):
             rewritten_code(lambda ps: SGDW(ps, lr=0.1, momentum=0.9, weight_decay=0.01), "split_weights"),
             """\
 class GraphModule(torch.nn.Module):
-    def forward(self, L_optimizers_0_param_groups_0_lr_: "f32[]cpu", L_optimizers_0_param_groups_0_params_0_grad: "bf16[1, 32]cpu", L_optimizers_0_state_list_dict_keys_L_optimizers_0_state_0_momentum_buffer_: "CompandedState(bf16[1, 32]cpu)", active_groups_0: "b8[1, 1]cpu", group0_bfloat16_8bit_error: "i8[1, 32]cpu"):
+    def forward(self, L_optimizers_0_param_groups_0_lr_: "f32[]cpu", L_optimizers_0_param_groups_0_params_0_grad: "bf16[1, 32]cpu", L_optimizers_0_state_list_dict_keys_L_optimizers_0_state_0_momentum_buffer_: "CompandedState(bf16[1, 32]cpu)", group0_bfloat16_8bit_momentum: "f32[]cpu", active_groups_0: "b8[1, 1]cpu", group0_bfloat16_8bit_error: "i8[1, 32]cpu"):
         l_optimizers_0_param_groups_0_lr_ = L_optimizers_0_param_groups_0_lr_
         l_optimizers_0_param_groups_0_params_0_grad = L_optimizers_0_param_groups_0_params_0_grad
         l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_momentum_buffer_ = L_optimizers_0_state_list_dict_keys_L_optimizers_0_state_0_momentum_buffer_
@@ -49,7 +55,7 @@ class GraphModule(torch.nn.Module):
         mul_: "f32[1, 32]cpu" = group0_bfloat16_8bit_master.mul_(sub);  sub = mul_ = None
         group0_bfloat16_8bit_momentum_buffer_fp32: "f32[1, 32]cpu" = flash_inductor_formats_state_tensor_decode(l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_momentum_buffer_, shape = (1, 32))
         group0_bfloat16_8bit_momentum_buffer_before: "f32[1, 32]cpu" = group0_bfloat16_8bit_momentum_buffer_fp32.clone()
-        mul__1: "f32[1, 32]cpu" = group0_bfloat16_8bit_momentum_buffer_fp32.mul_(0.9)
+        mul__1: "f32[1, 32]cpu" = group0_bfloat16_8bit_momentum_buffer_fp32.mul_(group0_bfloat16_8bit_momentum);  group0_bfloat16_8bit_momentum = None
         group0_bfloat16_8bit_grad_fp32: "f32[1, 32]cpu" = flash_inductor_passes_companded_states_to_fp32(l_optimizers_0_param_groups_0_params_0_grad);  l_optimizers_0_param_groups_0_params_0_grad = None
         add_: "f32[1, 32]cpu" = mul__1.add_(group0_bfloat16_8bit_grad_fp32, alpha = 1.0);  mul__1 = group0_bfloat16_8bit_grad_fp32 = add_ = None
         mul_1: "f32[1, 32]cpu" = group0_bfloat16_8bit_momentum_buffer_fp32 * l_optimizers_0_param_groups_0_lr_;  l_optimizers_0_param_groups_0_lr_ = None
@@ -100,6 +106,42 @@ class GraphModule(torch.nn.Module):
         _set_grad_enabled_1 = torch._C._set_grad_enabled(True);  _set_grad_enabled_1 = None
         return ()""",
         )
+
+    def test_momentum_traced_as_nan_becomes_the_buckets_tensor(self):
+        """SGDW's own update with Nesterov momentum: a factor (``mul_``) and an ``alpha``."""
+        make = lambda ps: SGDW(ps, lr=0.1, momentum=0.9, nesterov=True)  # noqa: E731
+        self.assertIn("momentum_buffer_.mul_(nan)", rewritten_code(make, "captured"))
+        self.assertExpectedInline(rewritten_code(make, "bound_hyperparameters"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_optimizers_0_param_groups_0_lr_: "f32[]cpu", L_optimizers_0_param_groups_0_params_0_grad: "bf16[1, 32]cpu", L_optimizers_0_state_list_dict_keys_L_optimizers_0_state_0_momentum_buffer_: "CompandedState(bf16[1, 32]cpu)", group0_bfloat16_8bit_momentum: "f32[]cpu"):
+        l_optimizers_0_param_groups_0_lr_ = L_optimizers_0_param_groups_0_lr_
+        l_optimizers_0_param_groups_0_params_0_grad = L_optimizers_0_param_groups_0_params_0_grad
+        l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_momentum_buffer_ = L_optimizers_0_state_list_dict_keys_L_optimizers_0_state_0_momentum_buffer_
+        _set_grad_enabled = torch._C._set_grad_enabled(False);  _set_grad_enabled = None
+        p: "bf16[1, 32]cpu" = self.optimizers___0_param_groups_0__params___0
+        mul: "f32[]cpu" = l_optimizers_0_param_groups_0_lr_ * 0.0
+        sub: "f32[]cpu" = 1 - mul;  mul = None
+        mul_: "bf16[1, 32]cpu" = p.mul_(sub);  sub = mul_ = None
+        mul__1: "CompandedState(bf16[1, 32]cpu)" = l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_momentum_buffer_.mul_(group0_bfloat16_8bit_momentum)
+        add_: "CompandedState(bf16[1, 32]cpu)" = mul__1.add_(l_optimizers_0_param_groups_0_params_0_grad, alpha = 1.0);  mul__1 = add_ = None
+        mul_2: "bf16[1, 32]cpu" = l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_momentum_buffer_ * group0_bfloat16_8bit_momentum;  l_optimizers_0_state_list_dict_keys_l_optimizers_0_state_0_momentum_buffer_ = group0_bfloat16_8bit_momentum = None
+        direction: "bf16[1, 32]cpu" = l_optimizers_0_param_groups_0_params_0_grad.add(mul_2);  l_optimizers_0_param_groups_0_params_0_grad = mul_2 = None
+        mul_1: "bf16[1, 32]cpu" = direction * l_optimizers_0_param_groups_0_lr_;  direction = l_optimizers_0_param_groups_0_lr_ = None
+        sub_: "bf16[1, 32]cpu" = p.sub_(mul_1);  p = mul_1 = sub_ = None
+        _set_grad_enabled_1 = torch._C._set_grad_enabled(True);  _set_grad_enabled_1 = None
+        return ()""")
+
+    def test_a_nan_computed_from_a_bound_hyperparameter_is_refused(self):
+        """Only the traced NaN object itself can be bound; ``1 - momentum`` (a NaN too) cannot."""
+        bound = BoundHyperparameter("momentum", torch.tensor(0.9))
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        graph.call_method("mul_", (x, bound.traced_as))
+        graph.output(graph.call_method("mul", (x, 1 - bound.traced_as)))
+        record = types.SimpleNamespace(bound_hyperparameter=bound, param_names={x: "group0"})
+        ctx = PassContext(roles={"x": types.SimpleNamespace(prepared=record)}, written={"x"}, options=None)
+        with self.assertRaisesRegex(ValueError, "computed from one"):
+            bound_hyperparameters_pass(fx.GraphModule({}, graph), ctx)
 
     def test_captured_graph_is_the_stock_step(self):
         captured = rewritten_code(lambda ps: SGDW(ps, lr=0.1, momentum=0.9), "captured")

@@ -200,22 +200,42 @@ def test_tensor_betas_are_used_in_fp32():
         assert (got - want).abs().max() <= 1e-6 * want.abs().max(), key  # bf16 betas: 6.5e-3 off
 
 
-def test_one_cycle_lr_changing_sgd_momentum_every_step_names_momentum_and_the_fix(monkeypatch):
-    """Adam's and Lion's cycling betas are tensors of the flat step (tests/test_flat.py); SGD's
-    momentum decides branches of its update, so it stays a constant and OneCycleLR's cycling of it
-    is refused with the fix."""
+def test_one_cycle_lr_changing_momentum_with_gradient_release_names_momentum_and_the_fix(monkeypatch):
+    """The flat step reads SGD's momentum from a tensor (test_optimizer_numerics.py, section 4), but
+    gradient release steps each parameter with its group's floats as constants: OneCycleLR's
+    cycling momentum recompiles every step there, and is refused naming momentum and the fix."""
     # The recompile limit grows with the steps this process ran (steps.run_compiled_step): start
     # from none, as in a fresh process (fresh_dynamo emptied Dynamo's cache).
     monkeypatch.setattr(importlib.import_module("flash_inductor.steps"), "_run_step_count", 0)
     model = nn.Linear(64, 64, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    flash_inductor.prepare(model, opt, compile_options=EAGER)
+    flash_inductor.prepare(model, opt, compile_options=EAGER, gradient_release=True)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=100)
     with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['momentum'\].*cycle_momentum=False"):
         for _ in range(40):
-            model.weight.grad = torch.randn(64, 64).bfloat16()
+            model(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean().backward()
             opt.step()
             sched.step()
+
+
+@pytest.mark.parametrize("prepared_with,then", [(0.9, 0.0), (0.0, 0.9)], ids=["to-zero", "from-zero"])
+def test_momentum_moved_to_or_from_zero_is_refused_before_anything_changes(prepared_with, then):
+    """A schedule may move SGD's momentum, but not to or from 0: stock SGD then skips or creates its
+    momentum buffer, which a prepared step (its buffers laid out at prepare, its update traced with
+    momentum) cannot do. Refused, naming the param group and the fix; nothing is written."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=prepared_with)
+    flash_inductor.prepare(model, opt, compile_options=EAGER)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    before = snapshot(model, opt)
+    opt.param_groups[0]["momentum"] = then
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['momentum'\] became .* prepare the optimizer with the momentum"):
+        opt.step()
+    assert_unchanged(before, snapshot(model, opt))
+    opt.param_groups[0]["momentum"] = prepared_with
+    opt.step()  # and the optimizer still steps
+    assert not torch.equal(before["fc1.weight"], model.fc1.weight)
 
 
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
