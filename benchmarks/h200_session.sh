@@ -27,7 +27,8 @@
 #              and HF GPT-2 124M (baseline, flashoptim, flashoptim + FP8) with plots
 #   step3      issue 13/14: the hand-written step's GPU tests (three launches), its launch shapes again, and a
 #              profile of HF GPT-2's train step (baseline, flashoptim, flashoptim + FP8: wall vs GPU time, kernels)
-#   landing    issue 14/15: HF GPT-2's train step profiled again (gradients accumulate into preset views), then
+#   landing    issue 14/15: HF GPT-2's train step profiled again (gradients accumulate into preset views; baseline and
+#              flashoptim), then
 #              the quality protocol's (e) rows, three seeds
 #   quality    issue 15: GPT 124M, 1500 steps with the schedule, 3 seeds (seed-major) of the fp32 baseline,
 #              flashoptim and flashoptim + FP8, 3 runs at once, stopped at 505 s; QUALITY_ARGS replaces the
@@ -68,7 +69,7 @@ case $stage in
     logged hf_clients_gpt2_h200 270 hf_clients.py --model gpt2 --configs baseline,flashoptim,flashoptim_fp8 --plot "$out"
     ;;
   landing)
-    logged hf_profile_gpt2_landing_h200 230 hf_clients.py --model gpt2 --configs baseline,flashoptim,flashoptim_fp8 \
+    logged hf_profile_gpt2_landing_h200 160 hf_clients.py --model gpt2 --configs baseline,flashoptim \
       --steps 25 --warmup 10 --log-every 25 --profile 5
     logged quality_ablation_h200 305 quality.py --pairs flashoptim_no_masters:0 flashoptim_no_masters:1 flashoptim_no_masters:2 \
       --jobs 3 --deadline-s 270 --runs-dir /tmp/quality --plot "$out/quality_ablation_h200.png"
