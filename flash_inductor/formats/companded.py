@@ -60,7 +60,7 @@ def num_groups(numel):
     return -(-numel // GROUP_SIZE)
 
 
-def _groups(x):
+def as_groups(x):
     """fp32 view of ``x`` as [groups, GROUP_SIZE], zero-padded."""
     flat = x.float().reshape(-1)
     pad = (-flat.numel()) % GROUP_SIZE
@@ -109,7 +109,7 @@ def encode_with_saved_scales(x, kind, saved_scales):
     saved = saved_scales.to(device=scales.device, dtype=torch.float16).view(-1)
     saved_codes = _codes(_coded_values(x, kind), saved.float().view(-1, 1), kind)
     decoded = decode(saved_codes, saved, saved_codes.shape, kind)
-    exact = (decoded == _groups(x)).all(dim=1) & torch.isfinite(saved) & (saved >= 0)
+    exact = (decoded == as_groups(x)).all(dim=1) & torch.isfinite(saved) & (saved >= 0)
     codes = torch.where(exact.view(-1, 1), saved_codes, codes.view(-1, GROUP_SIZE))
     return codes.view(-1), torch.where(exact, saved, scales)
 
@@ -117,12 +117,12 @@ def encode_with_saved_scales(x, kind, saved_scales):
 def _coded_values(x, kind):
     """The fp32 groups the codes store: ``x`` itself (signed) or ``sqrt(x)`` (second moments)."""
     if kind == SIGNED:
-        return _groups(x)
+        return as_groups(x)
     if kind == SQRT:
         # A second square root rather than the optimizer's own ``v.sqrt()``: sharing that one (a
         # select after it) made the fused H200 step kernel 3.3x slower, likely by keeping it live
         # across the group reduction (benchmarks/results/optimizer_step_sqrt_reuse_h200.log).
-        return _groups(x).clamp(min=0).sqrt()
+        return as_groups(x).clamp(min=0).sqrt()
     raise ValueError(f"unknown companded state kind {kind!r}; expected {SIGNED!r} or {SQRT!r}")
 
 

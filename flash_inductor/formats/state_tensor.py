@@ -4,7 +4,11 @@ A ``StateTensor`` presents itself as a dense tensor of the parameter's shape and
 ``torch.optim`` code and Dynamo trace it unchanged, while it stores:
 
 - ``CompandedState``: companded 8-bit codes + fp16 group scales (``formats.companded``);
+- ``TensorScaledState``: e4m3 or fp16 codes + one fp32 scale per tensor (``formats.tensor_scaled``,
+  FP8-LM's Adam states);
 - ``Fp32State``: plain fp32 values (unquantized states of bf16/fp16 parameters).
+
+``STATE_FORMATS`` names the quantized ones for ``prepare(..., state_format=...)``.
 
 Inside graphs compiled by the ``flashoptim`` backend the pass ``companded_states`` decodes each
 state once at the start of the step (``decode``) and writes it back once at the end
@@ -17,11 +21,12 @@ tensors (codes and scales, or values) as inputs.
 """
 
 import copy
+import math
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import companded
+from . import companded, tensor_scaled
 
 
 class StateTensor(torch.Tensor):
@@ -47,6 +52,12 @@ class StateTensor(torch.Tensor):
         copied = self._rebuild(lambda t: copy.deepcopy(t, memo))
         memo[id(self)] = copied
         return copied
+
+    def stored_bytes(self):
+        """Bytes of its inner tensors: ``{"states": codes or values, "state_scales": scales and
+        their layout}`` (what ``memory_report`` shows)."""
+        values, *scales = (getattr(self, k) for k in self._inner)
+        return {"states": _nbytes(values), "state_scales": sum(_nbytes(t) for t in scales)}
 
     def _rebuild(self, fn):
         """The same state with ``fn`` applied to each inner tensor."""
@@ -88,6 +99,10 @@ class StateTensor(torch.Tensor):
         return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
 
 
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
 class CompandedState(StateTensor):
     """Companded 8-bit codes with one fp16 scale per group of 32 (``formats.companded``).
 
@@ -125,6 +140,29 @@ class CompandedState(StateTensor):
         codes = torch.zeros(groups, companded.GROUP_SIZE, dtype=companded.CODE_DTYPES[kind], device=like.device)
         scales = torch.full((groups,), companded.SCALE_FLOOR, dtype=torch.float16, device=like.device)
         return cls(codes, scales, kind, shape=like.shape, dtype=like.dtype)
+
+    @staticmethod
+    def num_scales(numel):
+        """Scales a state of ``numel`` elements stores: one per group of 32."""
+        return companded.num_groups(numel)
+
+    @staticmethod
+    def stored_dtypes(kind):
+        """(codes, scales) dtypes of a ``kind`` state."""
+        return companded.CODE_DTYPES[kind], torch.float16
+
+    @staticmethod
+    def codes_problem(codes, kind):
+        """Why ``codes`` are not codes ``encode`` gives (a checkpoint's), or None."""
+        if kind == companded.SIGNED and bool((codes < -127).any()):
+            return "has code -128; signed codes lie in [-127, 127]"
+        return None
+
+    @classmethod
+    def from_stored(cls, codes, scales, kind, *, shape, dtype):
+        """A state of ``shape`` holding copies of checked ``codes`` and ``scales`` (a checkpoint's)."""
+        groups = companded.num_groups(math.prod(shape))
+        return cls(codes.reshape(groups, companded.GROUP_SIZE).clone(), scales.clone(), kind, shape=shape, dtype=dtype)
 
     def decode(self, shape=None):
         """The state's value in fp32, in ``shape`` (default: the state's own; ``(groups, 32)`` is
@@ -169,3 +207,95 @@ class Fp32State(StateTensor):
 
     def __repr__(self):
         return f"Fp32State(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+class TensorScaledState(StateTensor):
+    """Codes (e4m3 for a signed moment, fp16 for a second moment) with one fp32 scale per tensor
+    (``formats.tensor_scaled``): FP8-LM's Adam states.
+
+    ``codes`` is stored as ``(groups, 32)``, zero-padded, like ``CompandedState``'s, so the flat
+    step updates it in the same layout. ``scales`` holds one scale per segment and ``starts`` each
+    segment's first row: one segment (``[0]``) for a parameter's state, one per parameter for a
+    flat bucket's (flash_inductor/flat.py).
+    """
+
+    _inner = ("codes", "scales", "starts")
+
+    def __init__(self, codes, scales, starts, kind, *, shape, dtype):
+        self.codes = codes
+        self.scales = scales
+        self.starts = starts
+        self.kind = kind
+
+    def _meta(self):
+        return (self.kind,)
+
+    @staticmethod
+    def one_segment(device):
+        return torch.zeros(1, dtype=torch.int64, device=device)
+
+    @classmethod
+    def encode(cls, x, kind, dtype=None):
+        """A new one-segment state holding ``x``; it presents as ``dtype`` (default: x's). Decoded
+        values (a checkpoint's) encode back to the codes and scale they came from."""
+        rows, starts = companded.as_groups(x), cls.one_segment(x.device)
+        codes, scales = tensor_scaled.encode(rows, starts, tensor_scaled.CODE_DTYPES[kind], kind == companded.SQRT)
+        return cls(codes, scales, starts, kind, shape=x.shape, dtype=dtype or x.dtype)
+
+    @classmethod
+    def zeros(cls, like, kind):
+        """The all-zero state for parameter ``like``, allocated directly as codes and a scale."""
+        groups = companded.num_groups(like.numel())
+        code_dtype = tensor_scaled.CODE_DTYPES[kind]
+        codes = torch.zeros(groups, companded.GROUP_SIZE, dtype=code_dtype, device=like.device)
+        scales = tensor_scaled.scale_from_amax(torch.zeros(1, device=like.device), code_dtype)
+        return cls(codes, scales, cls.one_segment(like.device), kind, shape=like.shape, dtype=like.dtype)
+
+    @staticmethod
+    def num_scales(numel):
+        """Scales a state of ``numel`` elements stores: one."""
+        return 1
+
+    @staticmethod
+    def stored_dtypes(kind):
+        """(codes, scales) dtypes of a ``kind`` state."""
+        return tensor_scaled.CODE_DTYPES[kind], torch.float32
+
+    @staticmethod
+    def codes_problem(codes, kind):
+        """Why ``codes`` are not codes ``encode`` gives (a checkpoint's), or None."""
+        if bool(codes.float().isinf().any()):
+            return "has infinite codes; encode saturates at the largest finite code"
+        if kind == companded.SQRT and bool((codes.float() < 0).any()):
+            return "has negative codes; a second moment's codes are >= 0"
+        return None
+
+    @classmethod
+    def from_stored(cls, codes, scales, kind, *, shape, dtype):
+        """A one-segment state of ``shape`` holding copies of checked ``codes`` and ``scale`` (a checkpoint's)."""
+        groups = companded.num_groups(math.prod(shape))
+        codes = codes.reshape(groups, companded.GROUP_SIZE).clone()
+        return cls(codes, scales.reshape(1).clone(), cls.one_segment(codes.device), kind, shape=shape, dtype=dtype)
+
+    def decode(self, shape=None):
+        """The state's value in fp32, in ``shape`` (default: the state's own)."""
+        shape = self.shape if shape is None else shape
+        numel = math.prod(shape)
+        return tensor_scaled.decode(self.codes, self.scales, self.starts).view(-1)[:numel].view(shape)
+
+    def store(self, value):
+        """Encode ``value`` (any shape with the state's elements, in order) into this state's
+        storage: one rounding, one scale per segment."""
+        rows = companded.as_groups(value).view(self.codes.shape)
+        codes, scales = tensor_scaled.encode(rows, self.starts, self.codes.dtype, self.kind == companded.SQRT)
+        self.codes.copy_(codes)
+        self.scales.copy_(scales)
+
+    def __repr__(self):
+        return (f"TensorScaledState(kind={self.kind!r}, codes={self.codes.dtype}, segments={self.starts.numel()}, "
+                f"shape={tuple(self.shape)}, dtype={self.dtype})")
+
+
+# prepare(..., state_format=name): the class that stores quantized states
+STATE_FORMATS = {"companded": CompandedState, "fp8lm": TensorScaledState}
+QUANTIZED = tuple(STATE_FORMATS.values())

@@ -1,0 +1,126 @@
+"""Optimizer states with one scale per tensor: FP8-LM's Adam states (MS-AMP O2), DESIGN §2.6.
+
+    first moment  (exp_avg):                       float8_e4m3fn codes, one fp32 scale per tensor
+    second moment (exp_avg_sq, max_exp_avg_sq):    float16 codes of v itself, one fp32 scale per tensor
+
+The registry's kinds say which is which (``companded.SIGNED``: a signed moment; ``companded.SQRT``:
+a second moment, stored here as ``v``, not ``sqrt(v)``). Per tensor, all in fp32:
+
+    amax   = max(max |x|, 1e-12)
+    scale  = the largest power of two with amax * scale <= target   (exact)
+    code   = dtype(clamp(x * scale, -code_max, code_max))            (round to nearest even)
+    second moments: a positive x whose code is 0 stores the smallest positive code instead
+    decode: x = float(code) * (1 / scale)
+
+``code_max`` is 448 (e4m3) or 65504 (fp16); ``target`` is ``code_max`` plus half the spacing of the
+top codes, 464 or 65520 (values in ``(code_max, target]`` round to ``code_max``, as they would to
+nearest in a wider format). The scale multiplies into the code's range, as in ``formats/fp8.py``
+(whose rounding to a power of two is reused); MS-AMP's scaling tensors use powers of two too.
+
+Why powers of two, and why this target: ``x * scale`` and ``1 / scale`` are exact, so encode rounds
+once and decode is exact; and a scaled amax in ``(target / 2, target]`` rounds to a largest code
+above ``target / 2`` (240 or 32768 at least), whose decoded value gives back the same scale.
+Re-encoding decoded values is therefore the identity on codes and scale: a parameter the flat step
+leaves untouched (passes/untouched_parameters.py re-encodes its decoded state) keeps every bit,
+and a checkpoint's decoded values load back to the very codes and scale (no scales need saving).
+With ``target = code_max`` a largest code of 224 (e4m3) would re-encode with twice the scale.
+
+The floor on second moments is the companded format's (docs/numerics.md, "Second-moment floor"):
+a positive ``v`` that would decode to 0 would make Adam's next update ``m / eps``. Below the
+smallest positive code (2**-9 of the scale's unit for e4m3, 2**-24 for fp16) values are stored as
+that code. With fp16 this only touches ``v`` more than 2**40 below the tensor's largest.
+
+Segments: a flat bucket (``flash_inductor/flat.py``) keeps the states of many tensors as one block of
+rows of ``companded.GROUP_SIZE``, each tensor a run of whole rows (zero padding at its end). ``starts``
+(int64, increasing, the first 0) holds each tensor's first row and ``scales`` one scale per tensor;
+a single tensor is one segment, ``starts = [0]``. The segment of each row is found by
+``bucketize`` and a tensor's amax is a ``scatter_reduce`` (amax) of its rows' maxima: a fixed
+number of operations, whatever the number of tensors.
+
+Edge cases: an all-zero tensor stores scale ``2**floor(log2(target * 1e12))`` and codes 0. A tensor
+holding inf has amax inf, scale 0: every element decodes to nan (``0 * inf``); one holding nan has a
+nan scale: also all nan. Loud, like an fp32 state, and never a silently wrong finite value.
+"""
+
+import math
+
+import torch
+
+from . import companded, fp8
+
+E4M3 = torch.float8_e4m3fn
+# The FP8-LM preset: a signed (first) moment in e4m3, a second moment in fp16 (FP8-LM's "precision
+# decoupling": an e4m3 second moment diverges, benchmarks/fp8lm_ablation.py).
+CODE_DTYPES = {companded.SIGNED: E4M3, companded.SQRT: torch.float16}
+
+
+def code_max(dtype):
+    """The largest finite code: 448 for e4m3, 65504 for fp16."""
+    return torch.finfo(dtype).max
+
+
+def scale_target(dtype):
+    """``code_max`` plus half the spacing of the codes at the top: 464 for e4m3, 65520 for fp16. A
+    value up to it rounds to ``code_max`` (the clamp before the cast does what rounding to nearest
+    would), and a scaled amax in ``(target / 2, target]`` rounds to a largest code above
+    ``target / 2``, so re-encoding decoded values finds the same scale."""
+    info = torch.finfo(dtype)
+    return info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
+
+
+def smallest_code(dtype):
+    """The smallest positive code (a subnormal): 2**-9 for e4m3, 2**-24 for fp16."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps
+
+
+def row_segments(starts, num_rows):
+    """The segment (tensor) index of each of ``num_rows`` rows, int64 [num_rows]."""
+    rows = torch.arange(num_rows, device=starts.device, dtype=starts.dtype)
+    return torch.bucketize(rows, starts, right=True) - 1
+
+
+def segment_amax(rows, starts, segments):
+    """``max |x|`` of each segment of fp32 ``rows`` [R, 32] (nan where it holds a nan)."""
+    row_amax = rows.abs().amax(dim=1)
+    return torch.zeros(starts.shape, dtype=torch.float32, device=rows.device).scatter_reduce(
+        0, segments, row_amax, "amax")
+
+
+def scale_from_amax(amax, dtype):
+    """The largest power of two ``s`` with ``max(amax, 1e-12) * s <= scale_target(dtype)``, fp32
+    (elementwise; 0 for an infinite amax, nan for nan).
+
+    ``target / amax`` rounded down to a power of two, then corrected by one power where the
+    division's rounding crossed one: the products with powers of two are exact, so the result is.
+    """
+    a = amax.to(torch.float32).clamp(min=fp8.AMAX_FLOOR)
+    target = scale_target(dtype)
+    # A tensor numerator: Python's ``float / tensor`` computes ``reciprocal(t) * float`` (two roundings).
+    scale = fp8.round_down_to_power_of_two(torch.full_like(a, target) / a)
+    scale = torch.where(a * (2 * scale) <= target, 2 * scale, scale)
+    return torch.where(a * scale > target, scale / 2, scale)
+
+
+def _codes(rows, scale_of_rows, dtype, floor):
+    """Codes of fp32 ``rows`` [R, 32] against each row's fp32 scale [R, 1]."""
+    limit = code_max(dtype)
+    rounded = (rows * scale_of_rows).clamp(-limit, limit).to(dtype).float()  # the cast rounds once
+    if floor:
+        rounded = torch.where((rows > 0) & (rounded == 0), smallest_code(dtype), rounded)
+    return rounded.to(dtype)  # exact: every value is a code (fp8 has no where/compare on every backend)
+
+
+def encode(rows, starts, dtype, floor):
+    """Encode fp32 ``rows`` [R, 32] as ``(codes [R, 32] of dtype, fp32 scales [S])``, one scale per
+    segment of ``starts`` [S]. ``floor``: positive values store the smallest positive code at
+    least (second moments)."""
+    segments = row_segments(starts, rows.shape[0])
+    scales = scale_from_amax(segment_amax(rows, starts, segments), dtype)
+    return _codes(rows, scales[segments].unsqueeze(1), dtype, floor), scales
+
+
+def decode(codes, scales, starts):
+    """fp32 rows [R, 32] from ``codes`` [R, 32] and the fp32 ``scales`` of the segments ``starts``."""
+    segments = row_segments(starts, codes.shape[0])
+    return codes.float() * (1 / scales)[segments].unsqueeze(1)
