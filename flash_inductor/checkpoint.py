@@ -5,10 +5,14 @@
 ``"error_term"`` and, for its 8-bit states, their fp16 group scales under ``"group_scales"``
 (``{state key: scales}``, 1/64 of the decoded bytes): with them the decoded values load back to
 the very codes and scales they came from (``companded.encode_with_saved_scales``), where encoding
-decoded values afresh moves the codes of a group that lacks its top code. Both forms reload
-bit-exactly. With ``prepare(..., compressed_state_dict=True)`` the 8-bit states are saved as
-their codes and scales instead (``{"codes", "scales", "kind"}``), less than half the size. Either
-form loads back into a prepared optimizer, and so does a stock one.
+decoded values afresh moves the codes of a group that lacks its top code. FP8-LM states
+(``state_format="fp8lm"``) need no saved scale: their decoded values encode back to the same codes
+and scale (formats/tensor_scaled.py); they ignore ``"group_scales"``, so decoded values load across
+formats (re-encoded). Both forms reload bit-exactly. With
+``prepare(..., compressed_state_dict=True)`` quantized states are saved as their codes and scales
+instead (``{"codes", "scales", "kind"}``), less than half the size; they load only into an optimizer
+of the same ``state_format``. Either form loads back into a prepared optimizer, and so does a stock
+one.
 
 Loading always leaves every parameter with the states ``prepare`` would give it, in their stored
 form: states the loaded dict lacks (e.g. a stock optimizer saved before its first step) start
@@ -24,7 +28,7 @@ import torch
 
 from flash_inductor import module_hooks, roles, sharded
 from flash_inductor.formats import companded, split_weights
-from flash_inductor.formats.state_tensor import CompandedState, StateTensor
+from flash_inductor.formats.state_tensor import QUANTIZED, STATE_FORMATS, CompandedState, StateTensor
 from flash_inductor.optimizer_record import init_state, make_lr_tensor, new_state, prepared
 
 ERROR_TERM_KEY = "error_term"
@@ -61,7 +65,7 @@ def _state_dict_post_hook(optimizer, state_dict):
         scales = {}
         for key, value in entries.items():
             stored = sharded.local(value)  # states of a sharded parameter are DTensors of local states
-            if isinstance(stored, CompandedState) and record.compressed_state_dict:
+            if isinstance(stored, QUANTIZED) and record.compressed_state_dict:
                 entries[key] = {
                     "codes": sharded.groups_like(value, stored.codes.clone(), _name(record, param)),
                     "scales": sharded.groups_like(value, stored.scales.clone(), _name(record, param)),
@@ -131,7 +135,9 @@ def _load_pre_hook(optimizer, state_dict):
             continue
         index = position[saved_id]
         ours = kinds[index]
-        scales = _saved_scales(record, params[index], entries.get(SCALES_KEY, {}))
+        # Only companded states need their saved scales (module docstring); others drop them.
+        saved_scales = entries.get(SCALES_KEY, {}) if record.state_format == "companded" else {}
+        scales = _saved_scales(record, params[index], saved_scales)
         restored[index] = {
             k: _restore(record, params[index], k, v, ours[k], scales.get(k))
             for k, v in entries.items() if k in ours and k != SCALES_KEY
@@ -217,7 +223,7 @@ def _restore_state(record, param, key, saved, kind, saved_scales=None):
     shard = sharded.local(param)
     if isinstance(saved, dict):  # compressed form
         state = _compressed_state(record, param, key, saved, kind)
-        if isinstance(sharded.local(new_state(record, param, kind)), CompandedState):
+        if isinstance(sharded.local(new_state(record, param, kind)), QUANTIZED):
             return sharded.like(param, state)
         saved = state.decode()
     saved = sharded.local(saved)
@@ -229,40 +235,41 @@ def _restore_state(record, param, key, saved, kind, saved_scales=None):
 
 
 def _compressed_state(record, param, key, saved, kind):
-    """The state a compressed entry holds, once checked to be codes and scales ``companded.encode``
-    can give: other codes would wrap or decode to garbage rather than fail."""
+    """The state a compressed entry holds, once checked to be codes and scales the record's state
+    format can give: other codes would wrap or decode to garbage rather than fail."""
     shard = sharded.local(param)
-    groups = companded.num_groups(shard.numel())
+    stored = STATE_FORMATS[record.state_format]
+    groups, count = companded.num_groups(shard.numel()), stored.num_scales(shard.numel())
     codes, scales = sharded.local(saved.get("codes")), sharded.local(saved.get("scales"))
     fix = f"{_RESAVE}, or with compressed_state_dict=False (decoded fp32 states)"
     if (
         saved.get("kind") != kind
         or not isinstance(codes, torch.Tensor) or codes.numel() != groups * companded.GROUP_SIZE
-        or not isinstance(scales, torch.Tensor) or scales.numel() != groups
+        or not isinstance(scales, torch.Tensor) or scales.numel() != count
     ):
         raise _refusal(
             record, param, key,
             f"(kind {saved.get('kind')!r}, codes {_describe(codes)}, scales {_describe(scales)}) does not fit a {kind!r} "
-            f"state of shape {list(shard.shape)} ({groups * companded.GROUP_SIZE} codes, {groups} scales)",
+            f"state of state_format={record.state_format!r} and shape {list(shard.shape)} ({groups * companded.GROUP_SIZE} "
+            f"codes, {count} scales)",
             fix,
         )
-    code_dtype = companded.CODE_DTYPES[kind]
-    if codes.dtype != code_dtype or scales.dtype != torch.float16:
+    code_dtype, scale_dtype = stored.stored_dtypes(kind)
+    if codes.dtype != code_dtype or scales.dtype != scale_dtype:
         raise _refusal(
             record, param, key,
-            f"has {codes.dtype} codes and {scales.dtype} scales, a {kind!r} state {code_dtype} and torch.float16", fix,
+            f"has {codes.dtype} codes and {scales.dtype} scales, a {kind!r} state of state_format="
+            f"{record.state_format!r} {code_dtype} and {scale_dtype}", fix,
         )
-    if kind == companded.SIGNED and bool((codes < -127).any()):
-        raise _refusal(record, param, key, "has code -128; signed codes lie in [-127, 127]", fix)
+    problem = stored.codes_problem(codes, kind)
+    if problem is not None:
+        raise _refusal(record, param, key, problem, fix)
     if bool(((scales < 0) | scales.isinf()).any()):
         raise _refusal(
             record, param, key, "has negative or infinite scales; scales are finite and >= 0 (nan for a non-finite group)",
             fix,
         )
-    return CompandedState(
-        codes.to(shard.device).reshape(groups, companded.GROUP_SIZE).clone(), scales.to(shard.device).clone(),
-        kind, shape=shard.shape, dtype=shard.dtype,
-    )
+    return stored.from_stored(codes.to(shard.device), scales.to(shard.device), kind, shape=shard.shape, dtype=shard.dtype)
 
 
 def master_state_dict(model, optimizer):

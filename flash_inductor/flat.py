@@ -1,12 +1,13 @@
 """Flat storage: the parameters of a param group laid end to end, and one optimizer step over them.
 
 ``prepare`` cuts each param group into buckets of parameters that share device, dtype and state
-format (8-bit or fp32 states). A bucket holds one flat buffer per stored tensor:
+format (quantized or fp32 states). A bucket holds one flat buffer per stored tensor:
 
     weights  (N,)      bf16/fp16/fp32   every parameter's ``.data`` is a view of it
     errors   (N,)      int8/int16       the error terms (``record.error_terms[p]`` are views)
     grads    (N,)      the parameters' dtype; every ``p.grad`` lands in its view
-    states   per key: CompandedState of codes (G, 32) + scales (G,), or Fp32State (G, 32)
+    states   per key: CompandedState of codes (G, 32) + scales (G,), TensorScaledState of codes
+             (G, 32) + one scale per parameter and each parameter's first row, or Fp32State (G, 32)
     step     (G, 1)    fp32             the step count, per group of 32 (optimizers that count steps)
     active   (G, 1)    bool             which groups belong to a parameter that has a gradient this step
 
@@ -34,7 +35,7 @@ import torch
 
 from flash_inductor import checks, registry, roles
 from flash_inductor.formats import companded
-from flash_inductor.formats.state_tensor import CompandedState, Fp32State
+from flash_inductor.formats.state_tensor import QUANTIZED, CompandedState, Fp32State, TensorScaledState
 
 GROUP = companded.GROUP_SIZE
 
@@ -49,6 +50,7 @@ class Segment:
     offset: int  # first element, a multiple of GROUP
     numel: int
     shape: tuple
+    index: int  # its parameter's position in the bucket
 
     @property
     def groups(self):
@@ -80,14 +82,15 @@ class Bucket:
         self.params = params
         self.segments = {}
         offset = 0
-        for p in params:
-            self.segments[p] = Segment(offset, p.numel(), tuple(p.shape))
+        for index, p in enumerate(params):
+            self.segments[p] = Segment(offset, p.numel(), tuple(p.shape), index)
             offset += segment_length(p.numel())
         self.num_groups = offset // GROUP
         first = params[0]
         device, dtype, quantized, trainable = bucket_key(record, first)
         # Names the bucket's tensors in graphs: group0_bfloat16_8bit (device index when several).
-        self.name = f"group{group_index}_{str(dtype).removeprefix('torch.')}_{'8bit' if quantized else 'fp32'}"
+        states = ("8bit" if record.state_format == "companded" else record.state_format) if quantized else "fp32"
+        self.name = f"group{group_index}_{str(dtype).removeprefix('torch.')}_{states}"
         if device.index:
             self.name += f"_{device.type}{device.index}"
         if not trainable:
@@ -104,8 +107,9 @@ class Bucket:
             self._adopt_error(record, p)
         layout = record.layout(optimizer.param_groups[group_index])
         self.states = {}
+        starts = [self.segments[p].offset // GROUP for p in params]  # each parameter's first row
         for key in layout.quantized:
-            self.states[key] = _flat_state(optimizer.state[first][key], self.num_groups)
+            self.states[key] = _flat_state(optimizer.state[first][key], self.num_groups, starts)
             for p in params:
                 self._adopt_state(optimizer, key, p)
         self.grads = zeros(first.dtype)  # released below: storage from the first gradient on (hold_gradients)
@@ -201,17 +205,19 @@ class Bucket:
         if isinstance(flat, CompandedState):
             groups = segment.groups
             return CompandedState(flat.codes[groups], flat.scales[groups], flat.kind, shape=segment.shape, dtype=flat.dtype)
+        if isinstance(flat, TensorScaledState):  # one segment: the parameter's own scale
+            scale = flat.scales[segment.index:segment.index + 1]
+            return TensorScaledState(flat.codes[segment.groups], scale, TensorScaledState.one_segment(scale.device),
+                                     flat.kind, shape=segment.shape, dtype=flat.dtype)
         return Fp32State(segment.of(flat.values.view(-1)), shape=segment.shape, dtype=flat.dtype)
 
     def nbytes(self):
         """Bytes of each kind of flat storage (gradients: what they take when held)."""
         states = scales = 0
         for flat in self.states.values():
-            if isinstance(flat, CompandedState):
-                states += _bytes(flat.codes)
-                scales += _bytes(flat.scales)
-            else:
-                states += _bytes(flat.values)
+            stored = flat.stored_bytes()
+            states += stored["states"]
+            scales += stored["state_scales"]
         if self.per_group:
             # Per-group step counts and mask: bytes per parameter (like torch, one scalar step count,
             # as while every parameter steps together, is not counted).
@@ -385,19 +391,25 @@ def _bytes(t):
 
 
 def _kind(state):
-    return {"kind": state.kind} if isinstance(state, CompandedState) else {}
+    return {"kind": state.kind} if isinstance(state, QUANTIZED) else {}
 
 
 def _same_storage(a, b):
     return all(getattr(a, k).data_ptr() == getattr(b, k).data_ptr() for k in type(a)._inner)
 
 
-def _flat_state(example, num_groups):
-    """The all-zero flat state of ``num_groups`` groups, in the format of the per-parameter ``example``."""
+def _flat_state(example, num_groups, starts):
+    """The all-zero flat state of ``num_groups`` groups, in the format of the per-parameter ``example``
+    (``starts``: each parameter's first row, for one scale per parameter)."""
     shape = (num_groups, GROUP)
+    like = torch.empty((), dtype=example.dtype, device=example.device).expand(shape)  # its shape, not its bytes
     if isinstance(example, CompandedState):
-        like = torch.empty((), dtype=example.dtype, device=example.device).expand(shape)  # its shape, not its bytes
         return CompandedState.zeros(like, example.kind)
+    if isinstance(example, TensorScaledState):
+        one = TensorScaledState.zeros(like, example.kind)
+        segments = torch.tensor(starts, dtype=torch.int64, device=example.device)
+        return TensorScaledState(one.codes, one.scales.expand(len(starts)).clone(), segments, example.kind,
+                                 shape=shape, dtype=example.dtype)
     if isinstance(example, Fp32State):
         return Fp32State(torch.zeros(shape, dtype=torch.float32, device=example.device), shape=shape, dtype=example.dtype)
     raise TypeError(f"a flat bucket keeps StateTensor states, got {type(example).__name__}")

@@ -5,7 +5,7 @@ import dataclasses
 import torch
 
 from flash_inductor import roles, sharded
-from flash_inductor.formats.state_tensor import CompandedState, Fp32State
+from flash_inductor.formats.state_tensor import StateTensor
 
 
 @dataclasses.dataclass
@@ -70,11 +70,9 @@ def memory_report(model, optimizer):
             sizes["error_terms"] += _nbytes(record.error_term(p))
         for key, value in optimizer.state.get(p, {}).items():
             value = sharded.local(value)
-            if isinstance(value, CompandedState):
-                sizes["states"] += _nbytes(value.codes)
-                sizes["state_scales"] += _nbytes(value.scales)
-            elif isinstance(value, Fp32State):
-                sizes["states"] += _nbytes(value.values)
+            if isinstance(value, StateTensor):
+                for component, n in value.stored_bytes().items():
+                    sizes[component] += n
             elif isinstance(value, torch.Tensor) and key != "step":
                 sizes["states"] += _nbytes(value)
     return MemoryReport(type(optimizer).__name__, sum(sharded.local(p).numel() for p in params), sizes)

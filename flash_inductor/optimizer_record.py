@@ -13,7 +13,7 @@ import torch
 
 from flash_inductor import registry, roles, sharded
 from flash_inductor.formats import companded
-from flash_inductor.formats.state_tensor import CompandedState, Fp32State, StateTensor
+from flash_inductor.formats.state_tensor import QUANTIZED, STATE_FORMATS, Fp32State, StateTensor
 
 
 @dataclasses.dataclass(eq=False)
@@ -33,6 +33,7 @@ class PreparedOptimizer:
     buckets: list = dataclasses.field(default_factory=list)  # flat.Bucket, when its step is flat
     active_groups: object = None  # of a bucket optimizer: its Bucket.active mask
     bound_hyperparameter: object = None  # of a bucket optimizer: its Bucket.bound (flat.BoundHyperparameter)
+    state_format: str = "companded"  # how quantized states are stored: a name in STATE_FORMATS
 
     @property
     def optimizer(self):
@@ -50,14 +51,14 @@ class PreparedOptimizer:
     def update_shape(self, param):
         """The shape the compiled step updates ``param`` in.
 
-        With 8-bit states that is their storage layout, ``(groups, 32)``, for the master, the
+        With quantized states that is their storage layout, ``(groups, 32)``, for the master, the
         gradient and every state alike: the update, the per-group absmax and the encode then share
         one iteration space, and Inductor fuses each parameter's step into one kernel without an
         fp32 copy of any state. Valid because every supported optimizer is elementwise. Tensors
         whose size is not a multiple of 32 (or whose states are unquantized) keep their shape.
         """
         states = self.optimizer.state.get(param, {}).values()
-        if param.numel() % companded.GROUP_SIZE == 0 and any(isinstance(s, CompandedState) for s in states):
+        if param.numel() % companded.GROUP_SIZE == 0 and any(isinstance(s, QUANTIZED) for s in states):
             return (param.numel() // companded.GROUP_SIZE, companded.GROUP_SIZE)
         return tuple(param.shape)
 
@@ -97,8 +98,9 @@ def init_state(optimizer, record, group, p):
 
 
 def new_state(record, param, kind, value=None, saved_scales=None):
-    """The stored form of one optimizer state of ``param`` (zeros when ``value`` is None; 8-bit
-    states of a checkpoint's decoded ``value`` are encoded with its ``saved_scales``, if any).
+    """The stored form of one optimizer state of ``param`` (zeros when ``value`` is None; quantized
+    states of a checkpoint's decoded ``value`` are encoded with its ``saved_scales``, if any), in
+    the record's ``state_format``.
 
     For a sharded parameter: the local shard's state as a DTensor like ``param``; whether it is
     quantized depends on the whole parameter's size, as without sharding."""
@@ -106,10 +108,13 @@ def new_state(record, param, kind, value=None, saved_scales=None):
     shard, value = sharded.local(param), sharded.local(value)
     if value is not None:
         value = value.to(shard.device)
-    if quantize and value is not None:
-        state = CompandedState.encode(value, kind, shard.dtype, saved_scales=sharded.local(saved_scales))
+    stored = STATE_FORMATS[record.state_format]
+    if quantize and value is not None and saved_scales is not None:
+        state = stored.encode(value, kind, shard.dtype, saved_scales=sharded.local(saved_scales))
+    elif quantize and value is not None:
+        state = stored.encode(value, kind, shard.dtype)
     elif quantize:
-        state = CompandedState.zeros(shard, kind)
+        state = stored.zeros(shard, kind)
     else:
         state = Fp32State.zeros(shard) if value is None else Fp32State.encode(value, shard.dtype)
     return sharded.like(param, state)

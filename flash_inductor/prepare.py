@@ -34,6 +34,7 @@ def prepare(
     *,
     master_weight_bits: int | None = 24,
     state_bits: int | None = 8,
+    state_format: str = "companded",
     keep_fp32=(),
     min_quantized_numel: int = 4096,
     compressed_state_dict: bool = False,
@@ -55,7 +56,10 @@ def prepare(
       32, none for None. An fp32 parameter's value becomes the master (nothing is lost).
     - Moment states are allocated as companded 8-bit codes with fp16 group scales
       (``state_bits=8``), except tensors under ``min_quantized_numel`` elements, which stay
-      fp32; ``state_bits=None`` keeps every state in fp32.
+      fp32; ``state_bits=None`` keeps every state in fp32. ``state_format="fp8lm"`` (Adam and
+      AdamW only; not with FSDP2) stores them as FP8-LM does instead: the first moment in
+      float8_e4m3fn and the second in fp16, each with one fp32 scale per tensor (DESIGN §2.6;
+      masters stay the split weights ``master_weight_bits`` asks for; docs/numerics.md).
     - ``optimizer.step()`` then runs through the ``flashoptim`` backend (compiled on first call,
       with ``compile_options``); inside a function compiled with ``backend="flashoptim"`` it is
       traced with the rest.
@@ -70,8 +74,18 @@ def prepare(
     if state_bits not in (8, None):
         raise ValueError(f"state_bits must be 8 or None, got {state_bits!r}")
     split_weights.error_term_dtype(master_weight_bits)  # refuses other values
-    registry.check_supported(optimizer)
+    registry.check_supported(optimizer, state_format)
+    if state_format != "companded" and state_bits is None:
+        raise ValueError(
+            f"state_format={state_format!r} stores quantized states, but state_bits=None keeps every state in fp32; "
+            "pass state_bits=8 (the default) with it, or drop state_format"
+        )
     names = _check_params(model, optimizer)
+    if state_format == "fp8lm" and any(sharded.is_sharded(p) for p in names):
+        raise ValueError(
+            "state_format='fp8lm' keeps one scale per tensor, which the shards of an FSDP2 parameter would each need "
+            "whole; use state_format='companded' (scales per group of 32) with fully_shard"
+        )
     for group in optimizer.param_groups:
         _check_group(optimizer, group, names)
     Options.from_dict(compile_options)
@@ -87,7 +101,7 @@ def prepare(
 
     record = PreparedOptimizer(
         weakref.ref(optimizer), master_weight_bits, state_bits, min_quantized_numel,
-        compressed_state_dict, check_numerics, compile_options=compile_options or {},
+        compressed_state_dict, check_numerics, compile_options=compile_options or {}, state_format=state_format,
     )
     for group in optimizer.param_groups:
         prepare_group(optimizer, record, group, masters, names)

@@ -1,7 +1,7 @@
 """A hand-written Triton kernel for the flat Adam/AdamW step on CUDA (issue 13).
 
 Inductor's kernel for the traced stock update (``flat.step_buckets``) stays the reference and the
-path for every other case: the CPU, other optimizers, amsgrad, fp32 states or 32-bit masters. On
+path for every other case: the CPU, other optimizers, amsgrad, fp32 or FP8-LM states, or 32-bit masters. On
 the H200 this kernel is faster (docs/benchmarks.md, "The flat optimizer step"): it processes
 ``BLOCK_GROUPS`` groups of 32 per program with few registers, where Inductor's persistent
 reductions over the two state scales keep more values live.
@@ -19,7 +19,7 @@ import torch
 
 from flash_inductor import _compat
 from flash_inductor.formats import split_weights
-from flash_inductor.formats.state_tensor import CompandedState
+from flash_inductor.formats.state_tensor import CompandedState, TensorScaledState
 
 BLOCK_GROUPS = 64  # groups of 32 per program, and warps: the fastest of those timed on the H200
 NUM_WARPS = 4
@@ -142,6 +142,8 @@ def ineligible(bucket, optimizer):
         return f"{bucket.weights.dtype} weights"
     if bucket.errors is not None and bucket.errors.dtype != torch.int8:
         return "32-bit masters (int16 error terms) use the exact split-weight pair"
+    if any(isinstance(s, TensorScaledState) for s in states.values()):
+        return "FP8-LM states (state_format='fp8lm'): their per-tensor scales need a reduction over each parameter"
     if set(states) != {"exp_avg", "exp_avg_sq"} or not all(isinstance(s, CompandedState) for s in states.values()):
         return "fp32 states"
     if any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in (group["lr"], *group["betas"])):

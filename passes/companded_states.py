@@ -1,8 +1,9 @@
 """Companded states: the optimizer step works on fp32 states, decoded once and encoded once.
 
 Prepared optimizers keep their moments as ``StateTensor``s that present the parameter's dtype, so
-stock optimizer code traces unchanged: ``CompandedState`` (int8/uint8 codes + fp16 group scales)
-or, for unquantized states, ``Fp32State``. Operating on them op by op would re-quantize after
+stock optimizer code traces unchanged: ``CompandedState`` (int8/uint8 codes + fp16 group scales),
+``TensorScaledState`` (``state_format="fp8lm"``: e4m3/fp16 codes + one scale per parameter) or, for
+unquantized states, ``Fp32State``. Operating on them op by op would re-quantize after
 every in-place op; this pass makes the step work on an fp32 copy and round exactly once. The
 update must run in one dtype, so the gradients of bf16/fp16 parameters are read in fp32 too.
 
@@ -23,7 +24,7 @@ After::
     p.addcdiv_(exp_avg_fp32, denom)
     CompandedState.store(exp_avg, exp_avg_fp32)     # codes, scales <- encode(exp_avg_fp32)
 
-Only states the graph writes, and gradients of parameters it updates, are rewritten. With 8-bit
+Only states the graph writes, and gradients of parameters it updates, are rewritten. With quantized
 states every input of a parameter's update is viewed in the states' storage layout, ``(groups,
 32)`` (see ``PreparedOptimizer.update_shape``), so Inductor fuses update and encode per group.
 """
