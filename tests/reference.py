@@ -1,8 +1,10 @@
-"""fp64 references written from DESIGN.md §2.1-2.2 and the optimizers' documented algorithms.
+"""fp64 references written from DESIGN.md §2.1-2.2, §2.6 and the optimizers' documented algorithms.
 
 No helper of ``flash_inductor`` is used here: the package is only ever on the left-hand side of a
 comparison with these.
 """
+
+import math
 
 import torch
 
@@ -12,6 +14,7 @@ INF = float("inf")
 # (mantissa bits, exponent of the smallest normal, largest finite value)
 BF16 = (7, -126, (2 - 2.0**-7) * 2.0**127)
 FP16 = (10, -14, 65504.0)
+E4M3 = (3, -6, 448.0)  # float8_e4m3fn (no inf; 448 is its largest finite value)
 GROUP = 32
 
 
@@ -68,6 +71,36 @@ def ref_state_encode(x64, kind):
     else:
         q = torch.where(u > 0, torch.floor(255 * u + 0.5).clamp(1, 255), 0.0)  # positive sqrt(v): code >= 1
     return q.long().view(-1), scale
+
+
+def ref_tensor_scaled_encode(x64, fmt, floor):
+    """DESIGN §2.6's per-tensor scaled states (FP8-LM: first moment e4m3, second moment fp16), as
+    docs/numerics.md makes them exact, in float64: (code values float64, the fp32 scale as float64).
+
+    target = the format's largest value + half the spacing of its top values; amax = max(max |x|, 1e-12);
+    scale = the largest power of two with amax * scale <= target (0 for an infinite amax, nan for nan);
+    code = round-to-nearest-even(clamp(x * scale, -max, max)); ``floor``: a positive x whose code is 0
+    stores the smallest positive (subnormal) code."""
+    mant, emin, fmax = fmt
+    x = x64.double().reshape(-1)
+    target = fmax + 2.0 ** (math.floor(math.log2(fmax)) - mant) / 2
+    amax = float(x.abs().max()) if x.numel() else 0.0
+    if math.isnan(amax):
+        scale = math.nan
+    elif math.isinf(amax):
+        scale = 0.0
+    else:
+        amax = max(amax, 1e-12)
+        k = math.floor(math.log2(target / amax))
+        while amax * 2.0 ** (k + 1) <= target:
+            k += 1
+        while amax * 2.0**k > target:
+            k -= 1
+        scale = 2.0**k
+    q = ref_round((x * scale).clamp(-fmax, fmax), fmt)
+    if floor:
+        q = torch.where((x > 0) & (q == 0), 2.0 ** (emin - mant), q)
+    return q, scale
 
 
 # ============================================================================ fp64 reference optimizers

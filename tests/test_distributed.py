@@ -411,6 +411,16 @@ def test_one_rank_fsdp_steps_exactly_like_the_unsharded_optimizer(one_rank, name
     assert any(k.endswith(".error") and sharded[k].any() for k in sharded)  # the masters really were split
 
 
+def test_one_rank_fsdp_refuses_fp8lm_states_before_anything_changes(one_rank):
+    """One scale per tensor needs the whole tensor; a shard has only its part."""
+    model = Net()
+    _shard_each_layer(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"state_format='fp8lm' keeps one scale per tensor.*use state_format='companded'"):
+        flash_inductor.prepare(model, opt, state_format="fp8lm")
+    assert opt not in roles.PREPARED and all(p.dtype == torch.float32 for p in model.parameters())
+
+
 def _shard_each_layer(model):
     """FSDP2 wants one dtype per fully_shard group: Net's norm layer stays fp32, its linears become bf16."""
     for module in [*model.children(), model]:
