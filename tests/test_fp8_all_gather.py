@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
 
 import flash_inductor
 from flash_inductor import fp8_linear, sharded
@@ -378,3 +379,27 @@ def test_one_rank_checkpoint_round_trip_through_dcp(one_rank, tmp_path):
     saved, restored = stored_bits(model, opt), stored_bits(resumed, resumed_opt)
     assert saved.keys() == restored.keys() and any(".error" in k for k in saved)
     assert all(torch.equal(saved[k], restored[k]) for k in saved)
+
+
+def test_one_rank_prepare_fp8_before_or_after_prepare_trains_the_same_bits(one_rank):
+    """``prepare`` casts the wrapped fp32 shards to bf16 and they stay wrapped: either order gives the
+    same stored bits after a step (weights, error terms, 8-bit states)."""
+    runs = []
+    for prepare_fp8_first in (False, True):
+        torch.manual_seed(0)
+        model = bench.Net()
+        for module in (model.block0, model.block1, model):
+            fully_shard(module)
+        opt = torch.optim.AdamW(model.parameters(), lr=bench.LR)
+        if prepare_fp8_first:
+            flash_inductor.prepare_fp8(model, **CONFIGS["fp8_all_gather"])
+        flash_inductor.prepare(model, opt, compile_options=EAGER)
+        if not prepare_fp8_first:
+            flash_inductor.prepare_fp8(model, **CONFIGS["fp8_all_gather"])
+        assert all(isinstance(p._local_tensor, Fp8AllGatherShard) and p.dtype == torch.bfloat16
+                   for n, p in model.named_parameters() if "weight" in n)
+        model(bench.batch(0, 0).bfloat16()).float().sum().backward()
+        opt.step()
+        model.reshard()
+        runs.append(stored_bits(model, opt))
+    assert runs[0].keys() == runs[1].keys() and all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
