@@ -15,7 +15,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-from flash_inductor import _compat, fp8_delayed, graph_utils, inspection, memory, passes, roles
+from flash_inductor import _compat, fp8_all_gather, fp8_delayed, graph_utils, inspection, memory, passes, roles, sharded
 from flash_inductor.options import Options
 from flash_inductor.pipeline import AtenPasses, PassContext, run_torch_passes
 
@@ -34,10 +34,11 @@ def flashoptim_backend(gm, example_inputs, *, options=None, mode=None):
 def compile(fn=None, **options):
     """``torch.compile(fn, backend="flashoptim", options=options)`` as a function (or decorator).
 
-    With ``fp8="delayed"``, a module ``fn`` first gets its delayed-scaling state (``prepare_fp8``).
+    With ``fp8="delayed"`` or ``fp8_all_gather=True``, a module ``fn`` is first prepared for them
+    (``prepare_fp8``).
     """
     parsed = Options.from_dict(options)  # fail early on bad options
-    if parsed.fp8 == "delayed" and isinstance(fn, torch.nn.Module):
+    if (parsed.fp8 == "delayed" or parsed.fp8_all_gather) and isinstance(fn, torch.nn.Module):
         prepare_fp8(fn, **options)
     if fn is None:
         return functools.partial(compile, **options)
@@ -45,12 +46,22 @@ def compile(fn=None, **options):
 
 
 def prepare_fp8(model: torch.nn.Module, **options):
-    """Give every ``nn.Linear`` of ``model`` that runs in FP8 under ``options`` (the backend's
-    options; ``fp8="delayed"`` is implied) its delayed-scaling buffers, in place; returns ``model``
-    (flash_inductor/fp8_delayed.py). ``compile(model, fp8="delayed")`` and ``train_step`` call it."""
-    opts = Options.from_dict({"fp8": "delayed", **options})
+    """Set up, in place, what the backend's FP8 ``options`` need on ``model``; returns ``model``.
+
+    - ``fp8="delayed"`` (implied without ``fp8`` and ``fp8_all_gather``): every ``nn.Linear`` that
+      runs in FP8 under ``options`` gets its delayed-scaling buffers (flash_inductor/fp8_delayed.py).
+    - ``fp8_all_gather=True`` (``fp8="tensorwise"`` implied): every such layer's FSDP2-sharded weight
+      is all-gathered in e4m3 (flash_inductor/fp8_all_gather.py); call it after ``fully_shard`` and
+      before the first forward.
+
+    ``compile(model, ...)`` and ``train_step`` call it for these options.
+    """
+    opts = Options.from_dict({"fp8": "tensorwise" if options.get("fp8_all_gather") else "delayed", **options})
+    if opts.fp8_all_gather:
+        sharded.check_fsdp_not_started(model, "prepare_fp8(model, fp8_all_gather=True, ...)")
+        return fp8_all_gather.add(model, opts)
     if opts.fp8 != "delayed":
-        raise ValueError(f"prepare_fp8 prepares fp8='delayed'; got fp8={opts.fp8!r}")
+        raise ValueError(f"prepare_fp8 prepares fp8='delayed' or fp8_all_gather=True; got fp8={opts.fp8!r}")
     return fp8_delayed.add_state(model, opts)
 
 

@@ -7,8 +7,10 @@
 It reads torch's profiler events of the ``_c10d_functional`` ops (with their input shapes and
 dtypes), so it sees eager calls, graphs the backend runs with ``compiler="eager"`` and the code
 Inductor generates alike; a ``TorchDispatchMode`` would not do: Dynamo runs the original,
-uncompiled code while one is active. DDP's C++ reducer does not use functional collectives and
-is not counted.
+uncompiled code while one is active. Of the eager ``torch.distributed`` calls it counts the
+tensor all-gathers and reduce-scatters (``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``:
+FSDP2's collectives, whose events record their tensors); eager all-reduces (DDP's C++ reducer)
+are not counted: their events record no shapes.
 
 Bytes per call are those of the bandwidth-optimal algorithms (ring; NCCL-tests' "bus bytes"),
 from the input's size ``B`` and the group size ``n``, whatever the backend really does:
@@ -30,6 +32,9 @@ _ITEM_BYTES = {  # the profiler's dtype names
     "unsigned char": 1, "signed char": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
 }
 _PREFIX = "_c10d_functional::"
+# Eager c10d ops counted: event name -> (op, position of the input among the event's tensors).
+_EAGER = {"c10d::_allgather_base_": ("all_gather_into_tensor", 1),
+          "c10d::_reduce_scatter_base_": ("reduce_scatter_tensor", 1)}
 
 
 def bytes_sent(op, size, input_splits, n, rank):
@@ -68,15 +73,16 @@ class CollectiveBytes:
     def __exit__(self, *exc):
         self._profiler.__exit__(*exc)
         for event in self._profiler.events():
-            if not event.name.startswith(_PREFIX):
+            if event.name in _EAGER:
+                op, position = _EAGER[event.name]
+            elif event.name.startswith(_PREFIX) and event.name != _PREFIX + "wait_tensor":
+                op, position = event.name[len(_PREFIX):], 0
+            else:
                 continue
-            op = event.name[len(_PREFIX):]
-            if op == "wait_tensor":
-                continue
-            dtype = event.input_dtypes[0]
+            dtype = event.input_dtypes[position]
             if dtype not in _ITEM_BYTES:
                 raise ValueError(f"CollectiveBytes: unknown dtype {dtype!r} of {event.name}; add its size to _ITEM_BYTES")
-            size = math.prod(event.input_shapes[0]) * _ITEM_BYTES[dtype]
+            size = math.prod(event.input_shapes[position]) * _ITEM_BYTES[dtype]
             splits = event.concrete_inputs[2] if op == "all_to_all_single" else None
             sent = bytes_sent(op, size, splits, self.n, self.rank)
             if sent is None:

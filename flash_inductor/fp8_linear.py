@@ -26,6 +26,7 @@ import fnmatch
 import torch
 
 from flash_inductor.formats import fp8
+from flash_inductor.formats.fp8_weight import Fp8Weight
 
 _FP8_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -109,7 +110,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         pn, pk = padded_shape(n, k)
         x2 = x.reshape(-1, k)
         x_fp8, x_inv = _quantize(_pad_to(x2, x2.shape[0], pk), fp8.E4M3, power_of_two, amax_history, scale, 0)
-        w_fp8, w_inv = _quantize(_pad_to(weight, pn, pk), fp8.E4M3, power_of_two, amax_history, scale, 1)
+        if isinstance(weight, Fp8Weight):  # gathered in e4m3 (fp8_all_gather): cast already
+            w_fp8, w_inv = _pad_to(weight.qdata.view(torch.uint8), pn, pk).view(fp8.E4M3), weight.scale.reciprocal()
+        else:
+            w_fp8, w_inv = _quantize(_pad_to(weight, pn, pk), fp8.E4M3, power_of_two, amax_history, scale, 1)
         ctx.save_for_backward(x_fp8, x_inv, w_fp8, w_inv)
         # Not saved tensors: the backward writes them, and autograd would refuse saved tensors that
         # a later forward (the next micro-batch) modified in place.

@@ -38,6 +38,10 @@ class Options:
     fp8_min_weight_numel: smallest weight (elements) worth an FP8 GEMM.
     fp8_exclude: fnmatch patterns of module names kept in bf16 (e.g. the first and last layers).
     fp8_filter: callable(module name) -> bool; False keeps that linear in bf16.
+    fp8_all_gather: under FSDP2, all-gather the FP8 linears' weights in e4m3 with one scale agreed by
+        all ranks (half the bytes of bf16), and multiply with them as gathered
+        (``flash_inductor/fp8_all_gather.py``; ``flash_inductor.prepare_fp8`` sets it up). Needs
+        ``fp8="tensorwise"``.
     fp8_collectives: gradient all-reduces (sum/avg) send e4m3 bytes with one scale agreed by all
         ranks (``passes/fp8_collectives.py``).
     step_kernel: "triton" runs the flat Adam/AdamW step of each eligible CUDA bucket (8-bit states,
@@ -56,6 +60,7 @@ class Options:
     fp8_min_weight_numel: int = 1 << 20
     fp8_exclude: tuple[str, ...] = ()
     fp8_filter: Any = None
+    fp8_all_gather: bool = False
     fp8_collectives: bool = False
     step_kernel: str = "triton"
 
@@ -76,18 +81,26 @@ class Options:
                 "flashoptim: option 'inductor' cannot turn emulate_precision_casts off: the rewritten optimizer "
                 "step rounds to bf16/fp16 inside fused kernels, and without it every error term would stay 0"
             )
+        fp8 = _choice(options, "fp8", (None, "tensorwise", "delayed"), cls.fp8)
+        fp8_all_gather = _flag(options, "fp8_all_gather")
+        if fp8_all_gather and fp8 != "tensorwise":
+            raise ValueError(
+                f"flashoptim: option 'fp8_all_gather' needs fp8='tensorwise', got fp8={fp8!r}"
+                + (" (delayed scaling is not supported with fp8 all-gather)" if fp8 == "delayed" else "")
+            )
         return cls(
             disable=disable,
             inductor=tuple(sorted(inductor.items())),
             dump=_folder(options, "dump") or os.environ.get("FLASHOPTIM_DUMP") or None,
             compiler=_choice(options, "compiler", ("inductor", "eager"), cls.compiler),
-            fp8=_choice(options, "fp8", (None, "tensorwise", "delayed"), cls.fp8),
+            fp8=fp8,
             fp8_history_length=_int(options, "fp8_history_length", "positive", 1, cls.fp8_history_length),
             fp8_power_of_two_scales=_flag(options, "fp8_power_of_two_scales"),
             fp8_fast_accum=_flag(options, "fp8_fast_accum"),
             fp8_min_weight_numel=_int(options, "fp8_min_weight_numel", "non-negative", 0, cls.fp8_min_weight_numel),
             fp8_exclude=_strings(options, "fp8_exclude", "str (fnmatch patterns of module names)", ["layers.0.*", "lm_head"]),
             fp8_filter=_callable(options, "fp8_filter", "a callable taking a module name"),
+            fp8_all_gather=fp8_all_gather,
             fp8_collectives=_flag(options, "fp8_collectives"),
             step_kernel=_choice(options, "step_kernel", ("triton", "inductor"), cls.step_kernel),
         )

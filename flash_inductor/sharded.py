@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from flash_inductor.formats import companded
+from flash_inductor.fp8_all_gather import unwrap_shard
 
 
 def is_sharded(t):
@@ -30,8 +31,9 @@ def is_sharded(t):
 
 def local(t):
     """The rank's shard of a DTensor (the tensor object itself, which FSDP2 updates in place and
-    the local optimizer is keyed by); any other value as it is."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    the local optimizer is keyed by; the bf16 shard inside an FP8 all-gather wrapper,
+    flash_inductor/fp8_all_gather.py); any other value as it is."""
+    return unwrap_shard(t._local_tensor) if isinstance(t, DTensor) else t
 
 
 def like(ref, t):
@@ -52,18 +54,19 @@ def shard_like(ref, value):
     return distribute_tensor(value, ref.device_mesh, ref.placements, src_data_rank=None)
 
 
-def check_fsdp_not_started(model):
-    """``prepare`` casts parameters to bf16; FSDP2 adopts new local tensors (and their dtype) only
-    in its lazy initialisation, at the first forward. After it, it would keep all-gathering the
-    old fp32 shards."""
+def check_fsdp_not_started(model, call="prepare(model, optimizer)"):
+    """``prepare`` casts parameters to bf16 and ``prepare_fp8(..., fp8_all_gather=True)`` gives the shards
+    all-gather hooks; FSDP2 adopts new local tensors (their dtype, their hooks) only in its lazy
+    initialisation, at the first forward. After it, it would keep all-gathering the old shards.
+    ``call``: what to call before the first forward, for the message."""
     from torch.distributed.fsdp import FSDPModule
 
     for name, module in model.named_modules():
         # FSDPState._is_root stays None until the lazy initialisation (all FSDP2 releases so far).
         if isinstance(module, FSDPModule) and module._get_fsdp_state()._is_root is not None:
             raise ValueError(
-                f"flash_inductor.prepare: the fully_shard-ed module '{name or type(module).__name__}' already ran a "
-                "forward; call prepare(model, optimizer) after fully_shard and before the first forward"
+                f"flash_inductor.{call.partition('(')[0]}: the fully_shard-ed module '{name or type(module).__name__}' "
+                f"already ran a forward; call {call} after fully_shard and before the first forward"
             )
 
 

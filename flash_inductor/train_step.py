@@ -17,7 +17,7 @@ def train_step(fn=None, *, model, optimizer, **options):
 
     ``optimizer`` is prepared once, with the keyword arguments of ``prepare`` found in
     ``options`` (``master_weight_bits``, ``state_bits``, ...); the rest are backend options.
-    With ``fp8="delayed"``, ``model`` gets its delayed-scaling state (``prepare_fp8``).
+    With ``fp8="delayed"`` or ``fp8_all_gather=True``, ``model`` is prepared for them (``prepare_fp8``).
     Dynamo captures the forward (AOTAutograd derives the backward) and the optimizer step as one
     graph each: the prepared ``step`` graph-breaks and runs its own compiled flat step
     (flash_inductor/steps.py), with the same backend options. With ``gradient_release=True`` the
@@ -31,7 +31,7 @@ def train_step(fn=None, *, model, optimizer, **options):
         prepare(model, optimizer, compile_options=options, **prepare_args)
     elif prepare_args:
         raise ValueError(f"train_step: optimizer is already prepared; drop {sorted(prepare_args)}")
-    if options.get("fp8") == "delayed":
+    if options.get("fp8") == "delayed" or options.get("fp8_all_gather"):
         prepare_fp8(model, **options)
     compiled = compile_with_backend(fn, **options)
     return functools.wraps(fn)(compiled)

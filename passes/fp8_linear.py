@@ -37,6 +37,10 @@ name, like torchao's ``module_filter_fn``); with ``fp8="delayed"`` it must also 
 state (else it stays bf16, with a warning that says how to add it). Every linear's decision is
 recorded for inspection. Option ``fp8_fast_accum`` adds ``fast_accum=True`` (the forward GEMM in
 the tensor cores' fast accumulation mode).
+
+Under FSDP2 with ``fp8_all_gather`` an eligible weight arrives already in e4m3 (an ``Fp8Weight``,
+``flash_inductor/fp8_all_gather.py``); the rewrite is the same, and ``fp8_linear`` uses its e4m3 data
+and scale instead of casting it. The decision says so ("weight all-gathered in e4m3").
 """
 
 import functools
@@ -46,6 +50,7 @@ import torch
 import torch.fx as fx
 
 from flash_inductor import fp8_delayed, graph_utils
+from flash_inductor.formats.fp8_weight import Fp8Weight
 from flash_inductor.fp8_linear import fp8_linear, ineligible_reason, padded_shape
 
 OUT_IN = "out_in"  # weight stored (out, in), as nn.Linear's: y = x @ w.T
@@ -176,7 +181,10 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
             fp8_decision = "fp8 e4m3/e5m2" + (", delayed scaling" if ctx.options.fp8 == "delayed" else "")
             if reason is None:
                 fp8_decision += _padding_note(weight, layout)
-            ctx.recorder.decision("fp8_linear", name, fp8_decision if reason is None else f"bf16: {reason}")
+            decision = fp8_decision if reason is None else f"bf16: {reason}"
+            if isinstance(weight, fx.Node) and isinstance(weight.meta.get("example_value"), Fp8Weight):
+                decision += ", weight all-gathered in e4m3" if reason is None else " (on the e4m3-gathered weight, dequantized)"
+            ctx.recorder.decision("fp8_linear", name, decision)
         if reason is None:
             eligible.append((node.name, linear))
     if not eligible:
