@@ -48,6 +48,45 @@ def _drops_iterations(nodes):
 
 
 @contextlib.contextmanager
+def cpp_codegen_workarounds():
+    """While Inductor generates code for one graph: the C++ backend fixes below."""
+    with cpp_loop_split_keeps_every_element(), cpp_keeps_precision_casts():
+        yield
+
+
+@contextlib.contextmanager
+def cpp_keeps_precision_casts():
+    """On torch < 2.13: the C++ backend keeps fp32 -> bf16/fp16 -> fp32 roundings inside a kernel
+    under ``emulate_precision_casts``, as torch 2.13 does.
+
+    torch 2.11's ``CppOverrides.to_dtype`` (and ``CppVecOverrides.to_dtype``) always puts the inverse
+    conversion into the kernel's CSE cache (``CppKernel.cache_dtype_convert``, for pytorch #115260),
+    so a later ``.float()`` of the rounded value reads the fp32 value from before the rounding. The
+    split-weight encode ``master - master.to(bf16).float()`` became ``master - master``: every error
+    term stayed 0. torch 2.13 skips the cache entry under ``emulate_precision_casts`` (pytorch
+    #185337); ``cache_dtype_convert`` has no other caller, so skipping it there is that fix.
+    """
+    if TORCH_VERSION >= "2.13":
+        yield
+        return
+    from torch._inductor import config
+    from torch._inductor.codegen.cpp import CppKernel
+
+    original = CppKernel.cache_dtype_convert
+
+    @functools.wraps(original)
+    def cache_dtype_convert(self, *args, **kwargs):
+        if not config.emulate_precision_casts:
+            original(self, *args, **kwargs)
+
+    CppKernel.cache_dtype_convert = cache_dtype_convert
+    try:
+        yield
+    finally:
+        CppKernel.cache_dtype_convert = original
+
+
+@contextlib.contextmanager
 def cpp_loop_split_keeps_every_element():
     """While compiling: skip Inductor's C++ loop split where it would drop iterations (above)."""
     from torch._inductor.codegen.cpp import CppScheduling

@@ -166,16 +166,11 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
         patches.update(inspection.uncached_config())
 
     def inner_compile(aot_gm, aot_inputs, **kwargs):
+        # Per subgraph, not around compile_fx: AOTAutograd lowers a backward at its first call.
         subgraph = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
-        with inspection.compiling_subgraph(record, subgraph):
+        with warnings.catch_warnings(), _compat.cpp_codegen_workarounds(), inspection.compiling_subgraph(record, subgraph):
+            # Inductor's C++ backend notes every kernel that mixes bf16 weights with fp16 scales.
+            warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
             return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
 
-    with warnings.catch_warnings(), _compat.cpp_loop_split_keeps_every_element():
-        # Inductor's C++ backend notes every kernel that mixes bf16 weights with fp16 scales.
-        warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
-        return compile_fx(
-            result.graph_module,
-            example_inputs,
-            inner_compile=inner_compile if record is not None else compile_fx_inner,
-            config_patches=patches or None,
-        )
+    return compile_fx(result.graph_module, example_inputs, inner_compile=inner_compile, config_patches=patches or None)
