@@ -30,7 +30,8 @@ a rounding boundary) and decode bit for bit against an fp32 op-by-op reference. 
 ``fp32(1/127)`` / ``fp32(1/255)`` instead of dividing, so it gives the same bits on every device.
 
 Compiling: needs ``emulate_precision_casts=True`` (otherwise the fp16 rounding of the scale is
-skipped inside the kernel, and on torch 2.11's C++ backend it is skipped even with it). Compiled
+skipped inside the kernel), and on torch < 2.13's C++ backend ``_compat.cpp_keeps_precision_casts``
+as well. Compiled
 codes may differ from eager ones by one at a rounding boundary (Triton's divisions and square roots
 are approximate): the bar is the fp64 reference, within one code.
 

@@ -54,7 +54,8 @@ keep the exact pair.
 Non-finite masters (inf/nan, and finite x whose ``hi`` overflows to inf) keep the non-finite ``hi``
 and store ``lo = 0``. Encode needs ``torch._inductor.config.emulate_precision_casts=True`` when
 compiled: without it Inductor keeps ``x.to(bf16)`` in fp32 inside a fused kernel, so ``x - hi``
-becomes 0 and every error term silently stays zero.
+becomes 0 and every error term silently stays zero. torch < 2.13's C++ backend does so even with it
+unless compiled under ``_compat.cpp_keeps_precision_casts`` (as the backend compiles).
 """
 
 import torch
