@@ -75,11 +75,11 @@ from train_gpt import (  # noqa: E402
     Setup,
     Skip,
     batch,
-    first_step_recording_fp8,
     git_commit,
     load_corpus,
     peer_memory,
     release_memory,
+    timed_step,
     timing,
     train_starts,
     write_json,
@@ -336,15 +336,10 @@ def run_configuration(name, corpus, args, device, start_bytes):
             r["startup_peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
             torch.cuda.reset_peak_memory_stats(device)
         x, y = batch(corpus.train, starts[i], args.seq)
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        if i == 0 and setup.record_fp8:
-            loss, r["fp8_decisions"] = first_step_recording_fp8(setup, x, y)
-        else:
-            loss = setup.step(x, y)
-        loss = loss.item()  # waits for the step
-        r["step_s"].append(time.perf_counter() - t0)
+        loss, seconds, decisions = timed_step(setup, x, y, device, first=i == 0)
+        if i == 0:
+            r["fp8_decisions"] = decisions
+        r["step_s"].append(seconds)
         r["train_loss"].append(loss)
         schedule.step()
         if i >= args.warmup and cuda:

@@ -321,6 +321,20 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
+def timed_step(setup, x, y, device, first):
+    """One train step, from a synchronized start until its loss is on the host: (loss, seconds, the
+    FP8 decisions when it is the ``first`` and the setup records them, else None)."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    decisions = None
+    if first and setup.record_fp8:
+        loss, decisions = first_step_recording_fp8(setup, x, y)
+    else:
+        loss = setup.step(x, y)
+    loss = loss.item()  # waits for the step
+    return loss, time.perf_counter() - t0, decisions
+
+
 @torch.no_grad()
 def heldout_loss(setup, corpus, starts, seq, device):
     losses = []
@@ -352,14 +366,10 @@ def train(setup, corpus, args, device, progress=None):
         progress(result)
     for i in range(args.steps):
         x, y = batch(corpus.train, starts[i], seq)
-        synchronize(device)
-        t0 = time.perf_counter()
-        if i == 0 and setup.record_fp8:
-            loss, result["fp8_decisions"] = first_step_recording_fp8(setup, x, y)
-        else:
-            loss = setup.step(x, y)
-        loss = loss.item()  # waits for the step
-        result["step_s"].append(time.perf_counter() - t0)
+        loss, seconds, decisions = timed_step(setup, x, y, device, first=i == 0)
+        if i == 0:
+            result["fp8_decisions"] = decisions
+        result["step_s"].append(seconds)
         result["train_loss"].append(loss)
         if (i + 1) % args.log_every == 0 or i == 0:
             print(f"  step {i + 1:5d}  loss {loss:.4f}  {result['step_s'][-1] * 1e3:9.1f} ms", flush=True)
