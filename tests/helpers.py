@@ -1,10 +1,35 @@
 """Small models and settings shared by the tests."""
 
+import contextlib
+import importlib.util
 import math
+import pathlib
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_module(name):
+    """``benchmarks/{name}.py`` imported as a module, for tests of a benchmark script's logic."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one CPU thread: for many small ops, where threads cost more than they give."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
 
 # Run prepared optimizers' steps through the rewritten graph without Inductor: the same passes,
 # no 15-35 s kernel compile per test.

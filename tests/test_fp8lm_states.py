@@ -12,9 +12,7 @@
    benchmarks/fp8lm_ablation.py on a small model.
 """
 
-import importlib.util
 import io
-import pathlib
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ import flash_inductor
 from flash_inductor import roles
 from flash_inductor.formats import tensor_scaled
 from flash_inductor.formats.state_tensor import Fp32State, TensorScaledState
-from helpers import EAGER, Net, stored_bits
+from helpers import EAGER, Net, benchmark_module, one_thread, stored_bits
 from reference import E4M3, FP16, ref_one_step, ref_round, ref_split_decode, ref_split_encode, ref_tensor_scaled_encode, ulp_log2
 
 pytestmark = [
@@ -403,18 +401,10 @@ def test_hand_written_kernel_leaves_fp8lm_buckets_to_inductor():
 
 # ============================================================================ 4. the ablation
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fp8lm_ablation.py"
-
-
 @pytest.fixture(scope="module")
 def ablation():
-    spec = importlib.util.spec_from_file_location("fp8lm_ablation", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops: threads cost more than they give
-    yield module
-    torch.set_num_threads(threads)
+    with one_thread():  # small ops
+        yield benchmark_module("fp8lm_ablation")
 
 
 def test_second_moment_in_e4m3_diverges_where_fp16_tracks_fp32(ablation):

@@ -13,8 +13,6 @@ The GPU test measures ``torch.cuda.max_memory_allocated`` with and without relea
 """
 
 import gc
-import importlib.util
-import pathlib
 
 import pytest
 import torch
@@ -23,7 +21,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import flash_inductor
-from helpers import EAGER, Net, stored_bits
+from helpers import EAGER, Net, benchmark_module, stored_bits
 
 pytestmark = [
     pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed"),
@@ -134,11 +132,7 @@ def test_inductor_release_matches_the_prepared_step_and_compiles_one_kernel_per_
 @pytest.fixture(scope="module")
 def release_benchmark():
     """benchmarks/gradient_release.py, whose ``measure`` the memory tests use."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gradient_release.py"
-    spec = importlib.util.spec_from_file_location("gradient_release_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("gradient_release")
 
 
 def test_gradients_are_freed_in_backward(release_benchmark):

@@ -2,36 +2,28 @@
 without Inductor (the rows' code paths, not kernels), and its snapshot analysis on a synthetic
 snapshot in the format of ``torch.cuda.memory._snapshot()``."""
 
-import importlib.util
 import json
 import math
-import pathlib
 import sys
 
 import pytest
 import torch
 
+from helpers import benchmark_module
+
 pytest.importorskip("transformers")
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "hf_clients.py"
 MiB = 2**20
-
-
-def _load(path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return _load(SCRIPT)
+    return benchmark_module("hf_clients")
 
 
 @pytest.fixture(scope="module")
 def analysis():
-    return _load(SCRIPT.parent / "snapshot_analysis.py")
+    return benchmark_module("snapshot_analysis")
 
 
 RUN_FIELDS = {

@@ -6,24 +6,15 @@ second moments below 1/510 of their group's largest: the paper's rounding stores
 next update explodes; the package's floor (code 1 for any positive sqrt(v)) keeps them bounded.
 """
 
-import importlib.util
-import pathlib
-
 import pytest
-import torch
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "second_moment_hazard.py"
+from helpers import benchmark_module, one_thread
 
 
 @pytest.fixture(scope="module")
 def hazard():
-    spec = importlib.util.spec_from_file_location("second_moment_hazard", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2k-element ops: threads cost more than they give
-    yield module
-    torch.set_num_threads(threads)
+    with one_thread():  # 2k-element ops
+        yield benchmark_module("second_moment_hazard")
 
 
 @pytest.mark.parametrize("beta2", [0.999, 0.95])

@@ -4,26 +4,17 @@ One layer, batch 4 x 32, 6 steps: the compiles dominate (about 50 s with a cold 
 a 2-core CPU, under 20 s warm).
 """
 
-import importlib.util
 import json
 import math
-import pathlib
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "train_gpt.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_gpt", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def train_gpt():
-    return _load_script()
+    return benchmark_module("train_gpt")
 
 
 def test_corpus_is_the_standard_librarys_source(train_gpt):
