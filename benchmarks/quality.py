@@ -439,6 +439,7 @@ def summarize(runs):
             entry["mean"], entry["std"] = _mean_std(entry["final_heldout"])
             entry["heldout_curve"] = dict(steps=[e["step"] for e in done[0]["heldout"]],
                                           **_curve([[e["loss"] for e in r["heldout"]] for r in done]))
+            entry["heldout_by_seed"] = {str(r["seed"]): [e["loss"] for e in r["heldout"]] for r in done}
             entry["train_curve"] = _curve([r["train_loss"] for r in done])
         hazard = [r["hazard"] for r in group if r.get("hazard")]
         if hazard:
@@ -535,7 +536,8 @@ def plot(summary, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_train, ax_held) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (ax_train, ax_held, ax_paired) = plt.subplots(1, 3, figsize=(19, 4.5))
+    base = summary.get(BASELINE) or {}
     for config, s in summary.items():
         if not s["seeds"]:
             continue
@@ -552,10 +554,20 @@ def plot(summary, path, title):
         ax_held.plot(held["steps"], held["mean"], marker="o", ms=3, color=line.get_color(), label=label)
         ax_held.fill_between(held["steps"], [m - d for m, d in zip(held["mean"], held["std"])],
                              [m + d for m, d in zip(held["mean"], held["std"])], color=line.get_color(), alpha=0.2)
+        # each seed against (a)'s run of the same seed: what the seeds' spread hides
+        paired = [[100 * (x / b - 1) for x, b in zip(losses, base["heldout_by_seed"][seed])]
+                  for seed, losses in s.get("heldout_by_seed", {}).items() if seed in base.get("heldout_by_seed", {})]
+        if paired and config != BASELINE:
+            curve = _curve(paired)
+            ax_paired.plot(held["steps"], curve["mean"], marker="o", ms=3, color=line.get_color(), label=label)
+            ax_paired.fill_between(held["steps"], [m - d for m, d in zip(curve["mean"], curve["std"])],
+                                   [m + d for m, d in zip(curve["mean"], curve["std"])], color=line.get_color(), alpha=0.2)
     ax_train.set(title=f"training loss (running mean over {k} steps; band: ± 1 std over seeds)", xlabel="step",
                  ylabel="loss (nats/byte)")
     ax_held.set(title="held-out loss (mean ± 1 std over seeds)", xlabel="step", ylabel="loss (nats/byte)")
-    for ax in (ax_train, ax_held):
+    ax_paired.axhline(0, color="black", lw=0.8)
+    ax_paired.set(title="held-out loss vs (a) of the same seed (mean ± 1 std)", xlabel="step", ylabel="%")
+    for ax in (ax_train, ax_held, ax_paired):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
