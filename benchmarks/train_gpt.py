@@ -12,6 +12,8 @@ the same batches (same seed), one after another in this one process:
     flashoptim_fp8       flashoptim + FP8 (tensorwise) linears, embedding and LM head excluded
     flashoptim_release   flashoptim with gradient release (each parameter updated in backward)
     flashoptim_no_masters  flashoptim with master_weight_bits=None: bf16 weights, no error terms, 8-bit states
+    flashoptim_fp8lm     flashoptim with FP8-LM's optimizer states (state_format="fp8lm": e4m3 first moment,
+                         fp16 second moment, one scale per tensor)
     flashoptim_pypi      peer: the ``flashoptim`` package's FlashAdamW (CUDA only); compiled model
     torchao_adamw8bit    peer: torchao.optim.AdamW8bit on bf16 params (stochastic rounding);
                          compiled model
@@ -224,15 +226,14 @@ def build_bf16_adamw(model, args):
     return Setup(model, opt, compiled(make_step(model, opt, grad_clip=args.grad_clip), args))
 
 
-def build_flashoptim(model, args, gradient_release=False, master_weight_bits=24, **options):
+def build_flashoptim(model, args, gradient_release=False, master_weight_bits=24, state_format="companded", **options):
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args))
     step = make_step(model, opt, grad_clip=args.grad_clip)
+    prepare_args = dict(gradient_release=gradient_release, master_weight_bits=master_weight_bits, state_format=state_format)
     if args.no_inductor:  # eager model; the prepared step runs the rewritten graph op by op
-        flash_inductor.prepare(model, opt, gradient_release=gradient_release, master_weight_bits=master_weight_bits,
-                               compile_options={**options, "compiler": "eager"})
+        flash_inductor.prepare(model, opt, compile_options={**options, "compiler": "eager"}, **prepare_args)
         return Setup(model, opt, step)
-    step = flash_inductor.train_step(step, model=model, optimizer=opt, gradient_release=gradient_release,
-                                     master_weight_bits=master_weight_bits, **options)
+    step = flash_inductor.train_step(step, model=model, optimizer=opt, **prepare_args, **options)
     return Setup(model, opt, step, record_fp8="fp8" in options)
 
 
@@ -242,6 +243,10 @@ def build_flashoptim_release(model, args):
 
 def build_flashoptim_no_masters(model, args):
     return build_flashoptim(model, args, master_weight_bits=None)
+
+
+def build_flashoptim_fp8lm(model, args):
+    return build_flashoptim(model, args, state_format="fp8lm")
 
 
 def build_flashoptim_fp8(model, args):
@@ -280,6 +285,7 @@ CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args
     "flashoptim_fp8": build_flashoptim_fp8,
     "flashoptim_release": build_flashoptim_release,
     "flashoptim_no_masters": build_flashoptim_no_masters,
+    "flashoptim_fp8lm": build_flashoptim_fp8lm,
     "flashoptim_pypi": build_flashoptim_pypi,
     "torchao_adamw8bit": build_torchao_adamw8bit,
 }

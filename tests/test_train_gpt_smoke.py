@@ -69,7 +69,7 @@ def test_no_inductor_runs_the_same_configurations_eagerly(train_gpt, tmp_path, f
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", no_inductor)
     out = tmp_path / "train_gpt.json"
     train_gpt.main([
-        "--config", "tiny", "--layers", "1", "--configs", "fp32_fused_autocast,flashoptim,flashoptim_release",
+        "--config", "tiny", "--layers", "1", "--configs", "fp32_fused_autocast,flashoptim,flashoptim_release,flashoptim_fp8lm",
         "--device", "cpu", "--steps", "6", "--batch", "4", "--seq", "32", "--warmup", "2", "--eval-every", "6",
         "--eval-batches", "1", "--no-inductor", "--out", str(out),
     ])
@@ -83,6 +83,10 @@ def test_no_inductor_runs_the_same_configurations_eagerly(train_gpt, tmp_path, f
     assert release["train_loss"] == flash["train_loss"]
     assert 0 < release["memory_per_param"]["grads"] < flash["memory_per_param"]["grads"]
     assert results["runs"]["fp32_fused_autocast"]["memory_per_param"]["states"] == 8.0
+    # FP8-LM's states: e4m3 first and fp16 second moments (3 B) for the tensors large enough, fp32 for small ones
+    fp8lm = results["runs"]["flashoptim_fp8lm"]
+    assert fp8lm["heldout"][-1]["loss"] < fp8lm["heldout"][0]["loss"]
+    assert flash["memory_per_param"]["states"] < fp8lm["memory_per_param"]["states"] < 8.0
     assert train_gpt.parse_args(["--config", "1b", "--device", "cuda", "--find-largest"]).no_inductor
 
 
