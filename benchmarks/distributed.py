@@ -13,9 +13,9 @@ step ``s`` takes ``--batch`` sequences per rank, rank r the r-th slice of the gl
     ddp_bf16         DDP, its python reducer traced by compiled autograd into the backend (bf16 all-reduces)
     ddp_fp8          the same with ``fp8_collectives=True``: the all-reduces send e4m3
     fsdp_bf16        FSDP2 (``fully_shard`` per block and the root), bf16 all-gathers and reduce-scatters
-    fsdp_fp8         the same with ``fp8_collectives=True`` for the backward compiled by compiled autograd;
-                     FSDP2's eager reduce-scatter is not in a graph (docs/architecture.md), so
-                     ``fp8_rewrites`` says whether any collective was rewritten at all
+    fsdp_fp8         the same with ``fp8_collectives=True``: FSDP2's reduce-scatter runs eagerly, in no
+                     graph (docs/architecture.md), so nothing is rewritten (``fp8_rewrites`` 0) until
+                     FSDP2's collectives are traced; the row is there to show that
     single           one process, the global batch as ``ranks`` accumulated micro-batches: the loss reference
 
 Per row (JSON ``--out`` and a printed table): median step time after ``--warmup`` steps, tokens/s
@@ -98,7 +98,7 @@ def _run_row(name, rank, world, args, corpus, device):
         for piece in rows.chunk(pieces):
             x, y = batch(corpus.train, piece.to(device), seq)
             loss = lm_loss(forward, x, y) / pieces
-            if engine == "single":
+            if engine != "ddp":  # FSDP2's hooks under compiled autograd trained wrongly on the CPU (issue 17 notes)
                 loss.backward()
             else:
                 with torch._dynamo.compiled_autograd._enable(compiled_backward):
