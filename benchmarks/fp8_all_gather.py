@@ -83,6 +83,12 @@ def prepared(model_cls, options, groups=(Block,), seed=0):
     return model, opt
 
 
+def device_of(model):
+    """Where a model's shards live: FSDP2 puts them on the default mesh's device (the rank's GPU
+    when there is one)."""
+    return next(model.parameters()).device
+
+
 def teacher():
     torch.manual_seed(123)
     net = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, OUT))
@@ -98,8 +104,9 @@ def batch(step, rank):
 def train(rank, options, steps):
     """``steps`` train steps of a Net on this rank's batches: the losses, the first step's output,
     and the loss on held-out data after training."""
-    target = teacher()
     model, opt = prepared(Net, options)
+    device = device_of(model)
+    target = teacher().to(device)
 
     @torch.compile(backend="flashoptim", options=options)
     def step(x, y):
@@ -110,14 +117,14 @@ def train(rank, options, steps):
 
     losses = []
     for i in range(steps):
-        x = batch(i, rank)
+        x = batch(i, rank).to(device)
         out, loss = step(x.bfloat16(), target(x).detach())
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
         if i == 0:
             first_out = out.detach()
-    held_out = batch(10**6, rank)
+    held_out = batch(10**6, rank).to(device)
     with torch.no_grad():
         held_out_loss = F.mse_loss(model(held_out.bfloat16()).float(), target(held_out))
     return {"losses": torch.stack(losses), "first_out": first_out, "held_out_loss": held_out_loss}
@@ -127,7 +134,7 @@ def forward_bytes(rank, options):
     """Bytes this rank sends, by collective, in the first forward of a Net (every group gathered once)."""
     model, _ = prepared(Net, options)
     with torch.no_grad(), CollectiveBytes() as sent:
-        model(batch(0, rank).bfloat16())
+        model(batch(0, rank).bfloat16().to(device_of(model)))
     return dict(sent.by_op)
 
 

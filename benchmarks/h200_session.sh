@@ -42,6 +42,10 @@
 #   hfllamapeers  the Llama's other rows: gradient release, FlashOptim 0.1.4, torchao float8
 #   hfsnapshot issue 14: who holds the memory between steps, HF GPT-2 124M: baseline and flashoptim
 #   gptsnapshot   the same for our GPT (train_gpt.py's, 124m shape): flashoptim
+#   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
+#              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
+#              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
+#              single-GPU run of the global batch, the loss reference). NVLink multicast stays off in every process.
 set -uo pipefail
 stage=$1
 out=${2:-${OUT:-benchmarks/results}}
@@ -198,6 +202,28 @@ case $stage in
     deadline=${QUALITY_DEADLINE:-505}
     logged "$name" $((deadline + 35)) quality.py ${QUALITY_ARGS:---seeds 0 1 2 --configs fp32_fused_autocast,flashoptim,flashoptim_fp8} \
       --jobs "${QUALITY_JOBS:-3}" --deadline-s "$deadline" --runs-dir /tmp/quality --plot "$out/$name.png"
+    ;;
+  multigpu)
+    # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    gpus=$(nvidia-smi -L | wc -l)
+    part=${MGPU_PART:-tests}
+    case $part in
+      tests)
+        timeout 590 python -m pytest -v -m gpu tests/test_distributed.py tests/test_fp8_collectives.py \
+          tests/test_fp8_all_gather.py 2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_multigpu_${gpus}x_h200.log"
+        tail -4 "$out/gpu_tests_multigpu_${gpus}x_h200.log"
+        ;;
+      124m|1b)
+        logged "distributed_${part}_${gpus}x_h200" 590 distributed.py --config "$part" --gpus all --steps 200 \
+          --rows ddp_bf16,ddp_fp8,fsdp_bf16,fsdp_fp8
+        ;;
+      124m_single|1b_single)
+        logged "distributed_${part}_${gpus}x_h200" 590 distributed.py --config "${part%_single}" --gpus all --steps 200 \
+          --rows single
+        ;;
+      *) echo "unknown MGPU_PART $part"; exit 2 ;;
+    esac
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -4,10 +4,15 @@ import contextlib
 import importlib.util
 import math
 import pathlib
+import tempfile
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+from flash_inductor import launch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -34,6 +39,44 @@ def one_thread():
 # Run prepared optimizers' steps through the rewritten graph without Inductor: the same passes,
 # no 15-35 s kernel compile per test.
 EAGER = {"compiler": "eager"}
+
+# The process-group backends the multi-process tests run on: gloo on the CPU (always), NCCL with one
+# GPU per rank (marked gpu; skipped with fewer than 2 GPUs). Parametrize a module fixture with them.
+BACKENDS = ["gloo", pytest.param("nccl", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")])]
+
+
+def run_ranks(worker, backend, world, *args):
+    """Runs ``worker(rank, out_dir, *args)`` in ``world`` processes of a ``backend`` process group
+    (NCCL: rank r on cuda:r, NVLink multicast off) and returns what each returned, on the CPU."""
+    with tempfile.TemporaryDirectory() as tmp:
+        launch.spawn(_rank_main, (worker, backend, world, tmp, args), nprocs=world)
+        return [torch.load(f"{tmp}/rank{r}.pt", weights_only=False, map_location="cpu") for r in range(world)]
+
+
+def _rank_main(rank, worker, backend, world, tmp, args):
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+    try:
+        torch.save(worker(rank, tmp, *args), f"{tmp}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def on_gpus():
+    """Whether this process is a rank of an NCCL process group (its tensors then live on its GPU)."""
+    return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+def rank_device():
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpus() else torch.device("cpu")
+
+
+def step_options():
+    """Prepared optimizers' compile options: op by op on the CPU (no kernel compile per test), the
+    Triton step on GPUs."""
+    return {} if on_gpus() else EAGER
 
 
 class Net(nn.Module):

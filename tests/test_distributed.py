@@ -1,4 +1,5 @@
-"""Data parallel training with prepared optimizers: 2 processes on the CPU (gloo), started here.
+"""Data parallel training with prepared optimizers: 2 processes, started here: gloo on the CPU, and
+NCCL on 2 GPUs (marked gpu; the prepared optimizers then step with Triton kernels).
 
 One spawn runs every scenario: DDP and FSDP2 (``fully_shard``) training, and checkpoint round
 trips through ``torch.distributed.checkpoint``; the tests compare what the ranks saved against
@@ -15,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -27,7 +27,7 @@ from flash_inductor import roles
 from flash_inductor.formats import split_weights
 from flash_inductor.optim import Lion
 from flash_inductor.pipeline import PassFailed
-from helpers import EAGER, Net, stored_bits
+from helpers import BACKENDS, EAGER, Net, rank_device, run_ranks, step_options, stored_bits
 
 WORLD = 2
 STEPS = 3
@@ -54,12 +54,17 @@ def _batches():
 
 def _prepared(model_cls=Net, seed=0, fsdp=False, **prepare_kw):
     torch.manual_seed(seed)
-    model = model_cls()
+    model = model_cls().to(rank_device())
     if fsdp:
         _shard_each_layer(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    flash_inductor.prepare(model, opt, compile_options=EAGER, **prepare_kw)
+    flash_inductor.prepare(model, opt, compile_options=step_options(), **prepare_kw)
     return model, opt
+
+
+def _my_part(rank):
+    """This rank's piece of a global batch tensor, on its device."""
+    return lambda t: t.chunk(WORLD)[rank].to(rank_device())
 
 
 def _full(t):
@@ -141,7 +146,7 @@ def _data_parallel_run(kind, rank, model_cls, train_kw):
         # What the forward computes with: FSDP2's all-gathered (unsharded) weight.
         seen = result["forward_weight"] = []
         model.fc1.register_forward_pre_hook(lambda m, args: seen.append((type(m.weight), m.weight.dtype)))
-    result["grads"] = _train(model, forward, opt, _batches(), lambda t: t.chunk(WORLD)[rank], no_sync=no_sync, **train_kw)
+    result["grads"] = _train(model, forward, opt, _batches(), _my_part(rank), no_sync=no_sync, **train_kw)
     if kind == "ddp":
         result["state"] = stored_bits(model, opt)
         return result
@@ -156,7 +161,7 @@ def _checkpoint_round_trip(kind, rank, ckpt_dir, **prepare_kw):
     """Train, save model and optimizer with DCP, train on; load into freshly prepared objects (other
     initial weights) and train on the same way. Returns this rank's stored bits after both."""
     fsdp = kind == "fsdp"
-    batches, shard = _batches(), (lambda t: t.chunk(WORLD)[rank])
+    batches, shard = _batches(), _my_part(rank)
 
     def train(model, opt, batches):
         _train(model, model if fsdp else nn.parallel.DistributedDataParallel(model), opt, batches, shard)
@@ -186,8 +191,9 @@ def _fsdp_compiled_train_step(rank):
         opt.step()
         opt.zero_grad()
 
+    part = _my_part(rank)
     for x, y in _batches():
-        step(x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
+        step(part(x), part(y))
     return _whole_parameters(model, opt)
 
 
@@ -195,9 +201,9 @@ def _fsdp_gradient_release(rank):
     """The plain FSDP2 run with gradient release: each shard updated in its hook, after the
     reduce-scatter; the stored bits of the plain FSDP2 run, and no gradient left after backward."""
     model, opt = _prepared(fsdp=True, gradient_release=True)
-    grads_left = []
+    grads_left, part = [], _my_part(rank)
     for x, y in _batches():
-        F.mse_loss(model(x.chunk(WORLD)[rank].bfloat16()).float(), y.chunk(WORLD)[rank]).backward()
+        F.mse_loss(model(part(x).bfloat16()).float(), part(y)).backward()
         grads_left.append(sum(p.grad is not None for p in model.parameters()))
         opt.step()
         opt.zero_grad()
@@ -213,9 +219,7 @@ def _compressed_uneven_state_dict_error():
     return None
 
 
-
-def _worker(rank, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+def _worker(rank, out_dir):
     warnings.simplefilter("error", PassFailed)  # a skipped rewrite would make the runs meaningless
     results = {}
     for kind, variant in RUNS:
@@ -225,15 +229,12 @@ def _worker(rank, init_file, out_dir):
     results["fsdp", "compiled_train_step"] = _fsdp_compiled_train_step(rank)
     results["fsdp", "gradient_release"] = _fsdp_gradient_release(rank)
     results["compressed_uneven_error"] = _compressed_uneven_state_dict_error()
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
-    dist.destroy_process_group()
+    return results
 
 
-@pytest.fixture(scope="module")
-def results():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(f"{tmp}/init", tmp), nprocs=WORLD)
-        return [torch.load(f"{tmp}/rank{r}.pt", weights_only=False) for r in range(WORLD)]
+@pytest.fixture(scope="module", params=BACKENDS)
+def results(request):
+    return run_ranks(_worker, request.param, WORLD)
 
 
 @pytest.mark.parametrize("variant", [v for k, v in RUNS if k == "ddp"])

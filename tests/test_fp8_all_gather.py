@@ -1,5 +1,5 @@
-"""FP8 weight all-gather under FSDP2 (option ``fp8_all_gather``): 2 gloo processes on the CPU, started
-here, and single-process checks of the pieces.
+"""FP8 weight all-gather under FSDP2 (option ``fp8_all_gather``): 2 processes, started here (gloo on the
+CPU; NCCL on 2 GPUs, marked gpu), and single-process checks of the pieces.
 
 The workers run every scenario once (module fixture), each model trained by a prepared AdamW (24-bit
 masters and 8-bit states per shard) under ``fully_shard``, three ways: bf16 all-gather with bf16
@@ -9,9 +9,7 @@ the ranks saw with each other and with fp64 references written from the e4m3/e5m
 (its CPU result: ``benchmarks/results/fp8_all_gather_cpu.txt``); here it runs ``STEPS`` steps.
 """
 
-import importlib.util
 import io
-import pathlib
 import tempfile
 import warnings
 
@@ -19,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -30,18 +27,9 @@ from flash_inductor.formats.fp8_weight import Fp8Weight
 from flash_inductor.fp8_all_gather import Fp8AllGatherShard
 from flash_inductor.options import Options
 from flash_inductor.pipeline import PassFailed
-from helpers import EAGER, stored_bits
+from helpers import BACKENDS, EAGER, benchmark_module, run_ranks, stored_bits
 
-
-def _load_benchmark():
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_all_gather.py"
-    spec = importlib.util.spec_from_file_location("fp8_all_gather_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()  # the model, training and byte count of benchmarks/fp8_all_gather.py
+bench = benchmark_module("fp8_all_gather")  # the model, training and byte count of benchmarks/fp8_all_gather.py
 
 WORLD = 2
 STEPS = 8
@@ -72,9 +60,9 @@ def _parity(rank, config, compiler="eager"):
     gradient FSDP2 reduce-scattered (the ranks' average) and, under FP8 all-gather, the gathered
     weight, all whole; and the inputs and the whole bf16 weight to check them with."""
     model, _ = bench.prepared(Head, CONFIGS[config], groups=())
-    gen = torch.Generator().manual_seed(10 + rank)
-    x = torch.randn(8, 64, generator=gen).bfloat16()
-    r = torch.randn(8, 111, generator=gen).bfloat16()
+    gen, device = torch.Generator().manual_seed(10 + rank), bench.device_of(model)
+    x = torch.randn(8, 64, generator=gen).bfloat16().to(device)
+    r = torch.randn(8, 111, generator=gen).bfloat16().to(device)
     weight = model.proj.weight.detach().full_tensor().clone()
     gathered = []
     model.proj.register_forward_pre_hook(lambda m, args: gathered.append(
@@ -92,8 +80,7 @@ def _parity(rank, config, compiler="eager"):
             "gathered": gathered}
 
 
-def _worker(rank, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+def _worker(rank, out_dir):
     warnings.simplefilter("error", PassFailed)  # a skipped rewrite would make the runs meaningless
     results = {}
     for config in CONFIGS:
@@ -105,15 +92,12 @@ def _worker(rank, init_file, out_dir):
         torch._dynamo.reset()
         results["training", config] = bench.train(rank, CONFIGS[config], STEPS)
     results["bytes"] = {config: bench.forward_bytes(rank, CONFIGS[config]) for config in ("bf16", "fp8_all_gather")}
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
-    dist.destroy_process_group()
+    return results
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(f"{tmp}/init", tmp), nprocs=WORLD)
-        return [torch.load(f"{tmp}/rank{r}.pt", weights_only=False) for r in range(WORLD)]
+@pytest.fixture(scope="module", params=BACKENDS)
+def ranks(request):
+    return run_ranks(_worker, request.param, WORLD)
 
 
 # ---- fp64 references, from the formats ----

@@ -1,17 +1,15 @@
-"""FP8 gradient collectives (option ``fp8_collectives``): 2 gloo processes on the CPU, started here.
+"""FP8 gradient collectives (option ``fp8_collectives``): 2 processes, started here: gloo on the CPU,
+and NCCL on 2 GPUs (marked gpu; there the explicit all-reduce steps are compiled by Inductor, Triton).
 
 The workers run every scenario once (module fixture) and save what they saw; the tests compare it
 with fp64 references written from DESIGN §2.5 and the e4m3 format, not with the package's helpers.
 """
-
-import tempfile
 
 import expecttest
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fcol
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import flash_inductor
@@ -19,6 +17,7 @@ from flash_inductor.collective_bytes import CollectiveBytes
 from flash_inductor.formats import fp8_collective
 from flash_inductor.options import Options
 from flash_inductor.passes import fp8_collectives
+from helpers import BACKENDS, on_gpus, rank_device, run_ranks
 
 WORLD = 2
 NUMEL = 1001  # not a multiple of the world size: the exchange pads
@@ -36,14 +35,14 @@ def _state():
     return list(fp8_collectives.states().values())[-1]  # the newest collective's
 
 
-def _explicit_all_reduce(rank, device="cpu", compiler="eager"):
+def _explicit_all_reduce(rank):
     """A step that all-reduces a gradient itself: plain steps, then a planted spike with mu forced
-    to 1 (the start, 1/n, cannot overflow), then the spike again."""
+    to 1 (the start, 1/n, cannot overflow), then the spike again. On GPUs compiled by Inductor."""
     reduce_sum = flash_inductor.compile(lambda g: fcol.all_reduce(g, "sum", dist.group.WORLD), fp8_collectives=True,
-                                        compiler=compiler)
+                                        compiler="inductor" if on_gpus() else "eager")
     steps = []
     for step in range(4):
-        g = _gradient(rank, step).to(device)
+        g = _gradient(rank, step).to(rank_device())
         if step >= 2:
             g[PLANTED] = HUGE
         if step == 2:
@@ -52,14 +51,14 @@ def _explicit_all_reduce(rank, device="cpu", compiler="eager"):
         out = reduce_sum(g)
         unrewritten = g.clone()
         dist.all_reduce(unrewritten)
-        steps.append({"input": g.cpu(), "out": out.cpu(), "unrewritten": unrewritten.cpu(), "mu_before": mu_before,
-                      "state": _state().clone().cpu()})
+        steps.append({"input": g, "out": out, "unrewritten": unrewritten, "mu_before": mu_before,
+                      "state": _state().clone()})
     return steps
 
 
 def _average_bf16(rank):
     reduce_avg = flash_inductor.compile(lambda g: fcol.all_reduce(g, "avg", dist.group.WORLD), **OPTIONS)
-    g = _gradient(rank, 10).bfloat16()
+    g = _gradient(rank, 10).bfloat16().to(rank_device())
     return {"input": g, "out": reduce_avg(g), "state": _state().clone()}
 
 
@@ -67,11 +66,11 @@ def _ddp_compiled_autograd(rank):
     """DDP's python reducer traced by compiled autograd: the all-reduces live in the backward graph."""
     torch._dynamo.config.optimize_ddp = "python_reducer"
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    local = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(rank_device())
+    local = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(rank_device())
     local.load_state_dict(model.state_dict())
     ddp = nn.parallel.DistributedDataParallel(model)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)) * (1 + rank)
+    x = (torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)) * (1 + rank)).to(rank_device())
     compiler = torch.compile(backend="flashoptim", options=OPTIONS)
     before = set(fp8_collectives.states())
     with torch._dynamo.compiled_autograd._enable(compiler):
@@ -90,7 +89,7 @@ def _inductor(rank):
 
 def _bytes_sent(rank):
     """Bytes per step of an all-reduce of 2**16 elements: FP8 (of bf16 gradients) vs bf16 and fp32."""
-    g = torch.randn(1 << 16)
+    g = torch.randn(1 << 16).to(rank_device())
     reduce_fp8 = flash_inductor.compile(lambda g: fcol.all_reduce(g, "sum", dist.group.WORLD), **OPTIONS)
     reduce_plain = flash_inductor.compile(lambda g: fcol.all_reduce(g, "sum", dist.group.WORLD), compiler="eager")
     sent = {}
@@ -105,7 +104,7 @@ def _bytes_sent(rank):
 def _reduce_scatter(rank):
     """A sharded engine's gradient collective: reduce-scatter along dim 0, the sum of fp32 and the
     average of bf16 gradients, each with the bytes its step sends."""
-    g = torch.randn(WORLD * 6, 40, generator=torch.Generator().manual_seed(7 + rank)) * (1 + rank)
+    g = (torch.randn(WORLD * 6, 40, generator=torch.Generator().manual_seed(7 + rank)) * (1 + rank)).to(rank_device())
     out = {}
     for op, x in (("sum", g), ("avg", g.bfloat16())):
         fn = flash_inductor.compile(lambda t, op=op: fcol.reduce_scatter_tensor(t, op, 0, dist.group.WORLD), **OPTIONS)
@@ -130,34 +129,30 @@ def _golden_graph(rank):
     return {"code": "\n".join(lines), "decisions": graph.decisions}
 
 
-def _worker(rank, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+SCENARIOS = {"explicit": _explicit_all_reduce, "avg": _average_bf16, "ddp": _ddp_compiled_autograd,
+             "inductor": _inductor, "bytes": _bytes_sent, "golden": _golden_graph, "reduce_scatter": _reduce_scatter}
+# Not run on GPUs: the explicit steps are Inductor's there already, and the golden graph is the CPU one.
+CPU_ONLY = ("inductor", "golden")
+
+
+def _worker(rank, out_dir):
     results = {}
-    for name, scenario in [("explicit", _explicit_all_reduce), ("avg", _average_bf16), ("ddp", _ddp_compiled_autograd),
-                           ("inductor", _inductor), ("bytes", _bytes_sent), ("golden", _golden_graph),
-                           ("reduce_scatter", _reduce_scatter)]:
+    for name, scenario in SCENARIOS.items():
+        if on_gpus() and name in CPU_ONLY:
+            continue
         torch._dynamo.reset()
         results[name] = scenario(rank)
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
-    dist.destroy_process_group()
+    return results
 
 
-def _nccl_worker(rank, init_file, out_dir):
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    torch.save({"explicit": _explicit_all_reduce(rank, "cuda", "inductor")}, f"{out_dir}/rank{rank}.pt")
-    dist.destroy_process_group()
+@pytest.fixture(scope="module", params=BACKENDS)
+def ranks(request):
+    return run_ranks(_worker, request.param, WORLD)
 
 
-def _run_ranks(worker):
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(f"{tmp}/init", tmp), nprocs=WORLD)
-        return [torch.load(f"{tmp}/rank{r}.pt") for r in range(WORLD)]
-
-
-@pytest.fixture(scope="module")
-def ranks():
-    return _run_ranks(_worker)
+def _ran(ranks, scenario):
+    if scenario not in ranks[0]:
+        pytest.skip(f"scenario {scenario!r} runs on the CPU only")
 
 
 # ---- fp64 references, from the e4m3 format ----
@@ -223,7 +218,7 @@ def test_fp8_collectives_option_is_checked():
 
 # ---- 2 processes ----
 
-def check_one_scale_from_the_max_amax(ranks):
+def test_all_ranks_use_one_scale_from_the_max_amax(ranks):
     for step in range(4):
         states = [r["explicit"][step]["state"] for r in ranks]
         assert torch.equal(states[0], states[1])
@@ -235,7 +230,8 @@ def check_one_scale_from_the_max_amax(ranks):
     assert inputs[1].abs().max() > 1.5 * inputs[0].abs().max()
 
 
-def check_sum_within_fp8_error_of_exact_and_unrewritten(ranks, step):
+@pytest.mark.parametrize("step", [0, 1])
+def test_sum_within_fp8_error_of_exact_and_unrewritten(ranks, step):
     inputs = [r["explicit"][step]["input"] for r in ranks]
     scale = ranks[0]["explicit"][step]["state"][fp8_collective.SCALE].item()
     bound = fp8_sum_bound(inputs, scale)
@@ -247,25 +243,6 @@ def check_sum_within_fp8_error_of_exact_and_unrewritten(ranks, step):
         unrewritten = r["explicit"][step]["unrewritten"].double()  # gloo's fp32 sum: rounds by 2**-24
         assert ((out.double() - unrewritten).abs() <= bound + 2**-23 * unrewritten.abs()).all()
         assert (out - unrewritten.float()).abs().max() > 0  # FP8 really was on the wire
-
-
-def test_all_ranks_use_one_scale_from_the_max_amax(ranks):
-    check_one_scale_from_the_max_amax(ranks)
-
-
-@pytest.mark.parametrize("step", [0, 1])
-def test_sum_within_fp8_error_of_exact_and_unrewritten(ranks, step):
-    check_sum_within_fp8_error_of_exact_and_unrewritten(ranks, step)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs")
-def test_nccl_with_triton_kernels():
-    """The same explicit steps over NCCL, compiled by Inductor (Triton)."""
-    ranks = _run_ranks(_nccl_worker)
-    check_one_scale_from_the_max_amax(ranks)
-    for step in (0, 1):
-        check_sum_within_fp8_error_of_exact_and_unrewritten(ranks, step)
 
 
 def test_planted_spike_halves_mu_and_stays_finite(ranks):
@@ -310,6 +287,7 @@ def test_ddp_compiled_autograd_gradients(ranks):
 
 
 def test_inductor_compiled_equals_the_rewritten_graph_run_eagerly(ranks):
+    _ran(ranks, "inductor")
     for r in ranks:
         assert torch.equal(r["inductor"]["out"], r["explicit"][0]["out"])
         assert torch.equal(r["inductor"]["state"], r["explicit"][0]["state"])
@@ -330,6 +308,7 @@ def test_bytes_sent_per_step_half_of_bf16(ranks):
 
 
 def test_rewritten_graph(ranks):
+    _ran(ranks, "golden")
     golden = ranks[0]["golden"]
     assert [d[2] for d in golden["decisions"]] == [
         "e4m3 all-to-all + all-gather of uint8 bytes, summed locally in fp32",
