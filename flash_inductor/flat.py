@@ -246,33 +246,38 @@ class Bucket:
 
     def land(self, index, from_backward=False):
         """Make parameter ``index``'s gradient its view of the flat buffer (copying one that is not).
-        From backward (its post-accumulate-grad hook), the first gradient of a step that finds the
-        buffer freed also presets the other parameters' views (``_preset_views``)."""
+        From backward (its post-accumulate-grad hook), the first gradient of a step that autograd
+        created also presets the other parameters' views (``_preset_views``)."""
         p, view = self.params[index], self.grad_views[index]
+        first = from_backward and not self._received
         if from_backward:
             self._received.add(index)
             self._expected.discard(index)
         grad = p.grad
         if grad is None or grad is view or grad.is_sparse or grad.dtype != view.dtype or grad.shape != view.shape:
             return  # nothing to do, or a gradient the step refuses (checks.check_grad) before writing
-        freed = not self.gradients_held()
+        stale = self.gradients_held()  # kept by model.zero_grad(), which only sets p.grad = None
         self.hold_gradients()
         view.copy_(grad)
         p.grad = view
-        if from_backward and freed:
-            self._preset_views()
+        if first:
+            self._preset_views(stale)
 
-    def _preset_views(self):
+    def _preset_views(self, stale):
         """Give the parameters that had a gradient in the last step their zero view as ``.grad`` now,
         before autograd reaches them: it then accumulates into it in place, where a gradient it
         creates would cost a copy and a Python hook per parameter (on HF GPT-2, 148 of them made the
         train step wait on the CPU). Views no gradient reaches are set back to None before the step
-        (``collect_gradients``): a parameter without a gradient stays untouched, as in torch."""
-        for index in self._last_received - self._received:
-            p = self.params[index]
-            if p.grad is None:
-                p.grad = self.grad_views[index]
-                self._expected.add(index)
+        (``collect_gradients``): a parameter without a gradient stays untouched, as in torch. A
+        ``stale`` buffer (held through ``model.zero_grad()``, as Hugging Face's Trainer calls it)
+        has the views zeroed first."""
+        indices = [i for i in self._last_received - self._received if self.params[i].grad is None]
+        views = [self.grad_views[i] for i in indices]
+        if stale and views:
+            torch._foreach_zero_(views)
+        for index, view in zip(indices, views):
+            self.params[index].grad = view
+            self._expected.add(index)
 
     def collect_gradients(self, optimizer, record):
         """Before the step: every gradient in the flat buffer, and ``active`` set to the groups of

@@ -160,6 +160,16 @@ def test_from_the_second_step_gradients_accumulate_into_preset_views_without_cop
     assert model.extra.weight.grad is None and model.extra.bias.grad is None
     after = {k: v for k, v in snapshot(model, opt).items() if k.startswith("extra.")}
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    opt.zero_grad()
+    backward()
+    opt.step()
+    # model.zero_grad() (Hugging Face's Trainer) sets p.grad = None and keeps the buffer, last step's
+    # gradients still in it: the preset views are zeroed first
+    model.zero_grad()
+    copies, expected = backward()
+    assert copies == len(record.buckets)
+    for name, p in params.items():
+        assert torch.equal(p.grad, expected[name]), name
 
 
 def test_replaced_gradients_give_the_same_step_as_gradients_in_place():
