@@ -1,5 +1,8 @@
+import tempfile
+
 import pytest
 import torch
+import torch.distributed as dist
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,3 +23,14 @@ def fresh_dynamo():
     counters.clear()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo process group for the module's tests (FSDP2 in this process, no spawn)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

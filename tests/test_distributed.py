@@ -9,12 +9,10 @@ single rank (where a shard is the whole tensor) runs in this process, against un
 
 import contextlib
 import re
-import tempfile
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
@@ -361,16 +359,6 @@ def test_checkpoint_round_trip_continues_bit_for_bit(results, kind, form):
 
 
 # ------------------------------------------------- FSDP2 on one rank, in this process (no spawn)
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 ONE_RANK_OPTIMIZERS = {

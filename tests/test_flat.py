@@ -142,16 +142,20 @@ def test_from_the_second_step_gradients_accumulate_into_preset_views_without_cop
             loss.backward()
         return counter.copies, dict(zip(params, expected))
 
+    def assert_landed_in_place():
+        """A backward after the first step: one copy per bucket, every gradient right and its view."""
+        copies, expected = backward()
+        assert copies == len(record.buckets)
+        for name, p in params.items():
+            assert torch.equal(p.grad, expected[name]), name
+            views = [view for b in record.buckets for q, view in zip(b.params, b.grad_views) if q is p]
+            assert len(views) == 1 and views[0] is p.grad, name
+
     copies, _ = backward()
     assert copies == len(params)  # the first step: every gradient is copied in
     opt.step()
     opt.zero_grad()
-    copies, expected = backward()
-    assert copies == len(record.buckets)
-    for name, p in params.items():
-        assert torch.equal(p.grad, expected[name]), name
-        views = [view for b in record.buckets for q, view in zip(b.params, b.grad_views) if q is p]
-        assert len(views) == 1 and views[0] is p.grad, name
+    assert_landed_in_place()
     opt.step()
     opt.zero_grad()
     before = {k: v for k, v in snapshot(model, opt).items() if k.startswith("extra.")}
@@ -166,10 +170,7 @@ def test_from_the_second_step_gradients_accumulate_into_preset_views_without_cop
     # model.zero_grad() (Hugging Face's Trainer) sets p.grad = None and keeps the buffer, last step's
     # gradients still in it: the preset views are zeroed first
     model.zero_grad()
-    copies, expected = backward()
-    assert copies == len(record.buckets)
-    for name, p in params.items():
-        assert torch.equal(p.grad, expected[name]), name
+    assert_landed_in_place()
 
 
 def test_replaced_gradients_give_the_same_step_as_gradients_in_place():

@@ -10,12 +10,10 @@ the ranks saw with each other and with fp64 references written from the e4m3/e5m
 """
 
 import io
-import tempfile
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -284,16 +282,6 @@ def test_option_is_checked(options, message):
 def test_prepare_fp8_refuses_a_model_without_sharded_fp8_linears():
     with pytest.raises(ValueError, match="call prepare_fp8 after fully_shard"):
         flash_inductor.prepare_fp8(bench.Net(), fp8_all_gather=True, fp8_min_weight_numel=0)
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def test_prepare_fp8_refuses_after_the_first_forward_and_changes_nothing(one_rank):
