@@ -78,6 +78,7 @@ from train_gpt import (  # noqa: E402
     git_commit,
     load_corpus,
     peer_memory,
+    print_aligned,
     release_memory,
     timed_step,
     timing,
@@ -438,10 +439,7 @@ def print_table(runs, baseline=None):
                      m(r["startup_peak_bytes"]), m(r["steady_peak_bytes"]), m(r["between_steps_max_bytes"]),
                      m(r["report_without_grads_bytes"]), "-" if ratio is None else f"{ratio:.3f}",
                      f"{r['last50_loss']:.4f}", rel))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    print("\n".join(lines))
+    print_aligned(rows)
     print("memory in MiB above each row's starting allocation; report = memory_report without gradients")
 
 

@@ -507,11 +507,16 @@ def print_table(runs):
                      g(mem["activations"]), f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
                      f"{r['compile_s']:.1f}", f"{statistics.mean(r['train_loss'][-10:]):.4f}",
                      f"{r['heldout'][-1]['loss']:.4f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    print_aligned(rows)
+    print("memory columns in MiB (states include scales); train loss = mean of the last 10 steps")
+
+
+def print_aligned(rows):
+    """Rows of strings, the first the header: columns aligned (the first left, the rest right), a rule under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     print("\n".join(lines))
-    print("memory columns in MiB (states include scales); train loss = mean of the last 10 steps")
 
 
 def save_plots(results, folder, prefix=""):
