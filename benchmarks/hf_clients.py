@@ -41,6 +41,9 @@ row's starting point.
         --out benchmarks/results/hf_clients_llama_h200.json
     python benchmarks/hf_clients.py --model gpt2 --configs flashoptim --snapshot benchmarks/results/snapshots
 
+``--profile N`` (CUDA): after training, N more steps timed and then profiled (``gpu_profile.step_profile``):
+wall time against GPU busy time, the top kernels and CPU operators per step.
+
 ``--snapshot DIR`` (CUDA): instead of training, each configuration records the allocator's history
 over build (prepare) + 3 steps and writes what is alive between steps, grouped by the code that
 allocated it (``analyse_snapshot``), compared with ``memory_report`` and with the tensors Python

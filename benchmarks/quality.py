@@ -489,13 +489,19 @@ def verdict(summary):
     return verdicts
 
 
+def relative_to_base(entry, base):
+    """Seed by seed (same initial weights, same batches; keyed by the seed as a string, as in JSON),
+    each held-out evaluation's loss relative to (a)'s run of that seed, minus 1, for the seeds both
+    finished: the seeds' spread in (a) is mostly when each run's loss drops, which pairing removes."""
+    theirs = base.get("heldout_by_seed", {})
+    return {seed: [loss / b - 1 for loss, b in zip(losses, theirs[seed])]
+            for seed, losses in entry.get("heldout_by_seed", {}).items() if seed in theirs}
+
+
 def paired_differences(entry, base):
-    """Seed by seed (same initial weights, same batches), the relative difference of the final held-out
-    loss from (a)'s: the seeds' spread in (a) is mostly when each run's loss drops, which pairing
-    removes. Mean and standard deviation over the seeds both finished, or None without any."""
-    of_base = dict(zip(base["seeds"], base["final_heldout"]))
-    finals = zip(entry["seeds"], entry["final_heldout"])
-    relative = {str(seed): loss / of_base[seed] - 1 for seed, loss in finals if seed in of_base}
+    """``relative_to_base`` of the final held-out loss: per seed, and its mean and standard deviation
+    over the seeds, or None without any."""
+    relative = {seed: curve[-1] for seed, curve in relative_to_base(entry, base).items()}
     if not relative:
         return None
     mean, std = _mean_std(list(relative.values()))
@@ -555,8 +561,7 @@ def plot(summary, path, title):
         ax_held.fill_between(held["steps"], [m - d for m, d in zip(held["mean"], held["std"])],
                              [m + d for m, d in zip(held["mean"], held["std"])], color=line.get_color(), alpha=0.2)
         # each seed against (a)'s run of the same seed: what the seeds' spread hides
-        paired = [[100 * (x / b - 1) for x, b in zip(losses, base["heldout_by_seed"][seed])]
-                  for seed, losses in s.get("heldout_by_seed", {}).items() if seed in base.get("heldout_by_seed", {})]
+        paired = [[100 * r for r in curve] for curve in relative_to_base(s, base).values()]
         if paired and config != BASELINE:
             curve = _curve(paired)
             ax_paired.plot(held["steps"], curve["mean"], marker="o", ms=3, color=line.get_color(), label=label)
