@@ -38,7 +38,11 @@
 #   large      GPT 1.2B memory without Inductor (a try costs seconds, not a many-minute compile), and
 #              the deepest width-8192 model that fits at batch 1 x 1024 for the baseline and flashoptim
 #   hfgpt2     issue 14: Hugging Face GPT-2 124M, 300 steps, every row of hf_clients.py, with plots
-#   hfllama    issue 14: Hugging Face Llama ~1B (context 4096), 300 steps: baseline, flashoptim, flashoptim + FP8
+#   hfllama    issue 14: Hugging Face Llama ~1B (context 4096), 300 steps: baseline, flashoptim, flashoptim + FP8,
+#              each profiled for 3 steps; then the FP8-LM preset's GPU test (issue 16)
+#   fp8fix     issue 14: the FP8 GPU tests (the weight gradient's transposes in their own kernel), then the Llama's
+#              FP8 row again (lm_head excluded, transposes apart; merge with hfllama's JSON: --report-from), and
+#              HF GPT-2's baseline, flashoptim and FP8 rows, 300 steps
 #   hfllamapeers  the Llama's other rows: gradient release, FlashOptim 0.1.4, torchao float8
 #   hfsnapshot issue 14: who holds the memory between steps, HF GPT-2 124M: baseline and flashoptim
 #   gptsnapshot   the same for our GPT (train_gpt.py's, 124m shape): flashoptim
@@ -183,7 +187,17 @@ case $stage in
     logged hf_clients_gpt2_h200 570 hf_clients.py --model gpt2 --plot "$out"
     ;;
   hfllama)
-    logged hf_clients_llama_h200 570 hf_clients.py --model llama --configs baseline,flashoptim,flashoptim_fp8 --plot "$out"
+    logged hf_clients_llama_h200 470 hf_clients.py --model llama --configs baseline,flashoptim,flashoptim_fp8 \
+      --profile 3 --plot "$out"
+    timeout 90 python -m pytest -v -m gpu tests/test_fp8lm_states.py 2>&1 | grep -v "^DEBUG" | tail -5 \
+      | tee "$out/gpu_tests_fp8lm_h200.log"
+    ;;
+  fp8fix)
+    timeout 150 python -m pytest -v -m gpu tests/test_gpu.py -k "transpose or fp8" 2>&1 | grep -v "^DEBUG" \
+      > "$out/gpu_tests_fp8_transpose_h200.log"
+    tail -4 "$out/gpu_tests_fp8_transpose_h200.log"
+    logged hf_clients_llama_fp8_h200 270 hf_clients.py --model llama --configs flashoptim_fp8 --profile 3
+    logged hf_clients_gpt2_h200 250 hf_clients.py --model gpt2 --configs baseline,flashoptim,flashoptim_fp8 --plot "$out"
     ;;
   hfllamapeers)
     logged hf_clients_llama_more_h200 570 hf_clients.py --model llama \

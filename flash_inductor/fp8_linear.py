@@ -27,6 +27,7 @@ import torch
 
 from flash_inductor.formats import fp8
 from flash_inductor.formats.fp8_weight import Fp8Weight
+from flash_inductor.fp8_transpose import transpose_fp8
 
 _FP8_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -134,7 +135,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         n, k = g2.shape[1], ctx.input_shape[-1]
         g_fp8, g_inv = _quantize(_pad_to(g2, g2.shape[0], w_fp8.shape[0]), fp8.E5M2, ctx.power_of_two, *ctx.grad_state, 0)
         grad_x = _scaled_mm(g_fp8, g_inv, _col_major(w_fp8), w_inv)[:, :k].reshape(ctx.input_shape)
-        grad_w = _scaled_mm(g_fp8.t().contiguous(), g_inv, _col_major(x_fp8), x_inv)[:n, :k]
+        # Both transposed copies in kernels of their own (fp8_transpose: fused into a norm's backward they were slow).
+        grad_w = _scaled_mm(transpose_fp8(g_fp8), g_inv, transpose_fp8(x_fp8).t(), x_inv)[:n, :k]
         grad_b = None if ctx.bias_dtype is None else g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return grad_x.to(ctx.input_dtype), grad_w.to(ctx.weight_dtype), grad_b, None, None, None, None, None, None
 

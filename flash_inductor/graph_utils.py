@@ -37,16 +37,24 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 def input_name(node: fx.Node):
     """The dotted name (``blocks.0.fc1.weight``) of a parameter or buffer input, read off Dynamo's
     source for it (``L['self']._modules['blocks']._modules['0']._parameters['weight']``); the
-    node's name when it has none."""
+    node's name when it has none.
+
+    The name is relative to the object the step reaches first: an argument, a global, or a
+    closure's captured variable (``fn.__closure__[0].cell_contents``, a train step's ``model``),
+    so it is the name ``model.named_parameters()`` gives and ``fp8_exclude`` patterns match. A
+    compiled module's ``_orig_mod`` is skipped the same way."""
     containers = ("_modules", "_parameters", "_buffers")
     source = getattr(node.meta.get("grapharg"), "source", None)
     parts = []
     while source is not None:
         base = getattr(source, "base", None)
+        member = getattr(source, "member", None)
+        if member == "cell_contents":
+            break  # the closure's variable is the root; what is above it is the function
         if hasattr(source, "index") and getattr(base, "member", None) in containers:
             parts.append(str(source.index))  # module._modules['fc1'] and the like
-        elif getattr(source, "member", None) not in (None, *containers):
-            parts.append(str(source.member))  # plain attribute access: module.fc1
+        elif member not in (None, "_orig_mod", *containers):
+            parts.append(str(member))  # plain attribute access: module.fc1
         source = base
     return ".".join(reversed(parts)) if parts else node.name
 

@@ -50,6 +50,33 @@ def test_eligible_linears_are_rewritten_and_every_decision_is_reported():
     assert "fp8_linear: odd.weight: bf16: weight 20x64" in summary
 
 
+@pytest.mark.parametrize("wrap", [lambda m: m, lambda m: torch.compile(m, backend="eager")], ids=["module", "compiled module"])
+def test_a_model_captured_by_the_step_is_named_as_its_parameters(wrap):
+    """A train step reaches its model through a closure of a function it calls
+    (``loss.__closure__[0].cell_contents``), maybe a compiled module (``_orig_mod``): the weights
+    are still named as ``named_parameters()`` names them, so ``fp8_exclude`` patterns match
+    (the ``lm_head`` of benchmarks/hf_clients.py's Llama ran in FP8 before)."""
+    model = wrap(Mixed())
+
+    def loss(x):
+        out, projected = model(x)
+        return out.sum() + projected.sum()
+
+    def step(x):
+        return loss(x)
+
+    options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0, fp8_exclude=["first", "body.*"])
+    report = flash_inductor.inspect(flash_inductor.compile(step, **options), torch.randn(4, 64))
+    decisions = {subject: decision for _, subject, decision in report.graph("model").decisions}
+    assert decisions == {
+        "first.weight": "bf16: excluded by fp8_exclude ['first', 'body.*']",
+        "body.0.weight": "bf16: excluded by fp8_exclude ['first', 'body.*']",
+        "body.2.weight": "bf16: excluded by fp8_exclude ['first', 'body.*']",
+        "odd.weight": "bf16: weight 20x64: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)",
+        "proj": "fp8 e4m3/e5m2",
+    }
+
+
 def test_size_threshold_keeps_small_layers_in_bf16():
     model = nn.Linear(64, 64)
     report = flash_inductor.inspect(flash_inductor.compile(model, **EAGER, fp8="tensorwise"), torch.randn(4, 64))

@@ -192,3 +192,38 @@ def test_triton_step_agrees_with_inductor_step_and_skips_parameters_without_grad
                 if not a.is_floating_point() and not key.endswith(".error"):
                     assert (a.int() - bits["inductor"][key].int()).abs().max() <= 1, key
     assert all(triton_adam.ineligible(b, b.optimizer) is None for b in roles.PREPARED[runs["triton"][1]].buckets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("shape", [(64, 64), (1000, 2056), (130, 7), (8192, 2048)])
+def test_fp8_transpose_kernel_is_the_transposed_copy(shape, dtype):
+    from flash_inductor.fp8_transpose import transpose_fp8
+
+    t = (torch.randn(shape, device="cuda") * 100).to(dtype)
+    out = transpose_fp8(t)
+    assert out.shape == shape[::-1] and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), t.t().contiguous().view(torch.uint8))
+
+
+def test_compiled_fp8_backward_transposes_in_its_own_kernel():
+    """The weight gradient's two transposed copies are launches of fp8_transpose's kernel, not fused
+    into the norm backward that produces the gradient; the gradients keep FP8's accuracy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.RMSNorm(512), nn.Linear(512, 512, bias=False)).cuda()
+    x = torch.randn(256, 512, device="cuda", requires_grad=True)
+    model(x).float().square().mean().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = flash_inductor.compile(model, fp8="tensorwise", fp8_min_weight_numel=0)
+    compiled(x).float().square().mean().backward()  # compiles
+    model.zero_grad()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        compiled(x).float().square().mean().backward()
+        torch.cuda.synchronize()
+    launches = {e.key: e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert launches.get("transpose_kernel") == 4, launches  # 2 linears x (gradient, input)
+    for p, ref in zip(model.parameters(), reference):
+        sqnr = 10 * torch.log10(ref.float().square().sum() / (p.grad.float() - ref.float()).square().sum())
+        assert sqnr >= 20, (p.shape, sqnr)

@@ -1,0 +1,50 @@
+"""A transposed copy of an FP8 matrix, in a kernel of its own.
+
+Hopper's FP8 GEMMs take both operands K-major, so the weight-gradient GEMM ``dw = dy.T @ x`` needs
+the e5m2 gradient and the e4m3 input transposed. Written as ``t.t().contiguous()``, Inductor fuses
+the transposed copy into the kernel that produces ``t``'s rows, also when that kernel is a
+per-row reduction (an RMSNorm or LayerNorm backward): each program then writes one row of ``t`` as
+one column of the copy, 1-byte stores a whole column apart. On the H200, in HF Llama-1B's FP8
+backward, such kernels took 1.2-1.3 ms a call (``benchmarks/results/hf_clients_llama_h200.log``,
+first run of 2026-12-02), where the same RMSNorm backward without the copy took 0.05 ms.
+
+``transpose_fp8`` is a ``torch.library.triton_op``: Inductor launches its Triton kernel as written
+and fuses nothing into it, so ``t`` is stored row by row where it is produced, and the copy moves
+square tiles (Triton stages each tile through shared memory, so reads and writes are both whole
+lines). On the CPU it is the plain transposed copy (Inductor fuses it there as it likes).
+"""
+
+import functools
+
+import torch
+
+BLOCK = 64  # a BLOCK x BLOCK tile per program: 4 KiB of 1-byte elements
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def transpose_kernel(src, dst, rows, cols, BLOCK: tl.constexpr):
+        r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        c = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        inside = (r[:, None] < rows) & (c[None, :] < cols)
+        tile = tl.load(src + r[:, None] * cols + c[None, :], mask=inside)
+        tl.store(dst + c[None, :] * rows + r[:, None], tile, mask=inside)
+
+    return transpose_kernel
+
+
+@torch.library.triton_op("flash_inductor::transpose_fp8", mutates_args=())
+def transpose_fp8(t: torch.Tensor) -> torch.Tensor:
+    """``t.t().contiguous()`` for a 2-D ``t`` (any dtype; meant for FP8), as a kernel of its own on CUDA."""
+    if t.device.type != "cuda":
+        return t.t().contiguous()
+    t = t.contiguous()
+    rows, cols = t.shape
+    out = torch.empty((cols, rows), dtype=t.dtype, device=t.device)
+    grid = (-(-rows // BLOCK), -(-cols // BLOCK))
+    torch.library.wrap_triton(_kernel())[grid](t, out, rows, cols, BLOCK=BLOCK)
+    return out
