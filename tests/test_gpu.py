@@ -192,3 +192,13 @@ def test_triton_step_agrees_with_inductor_step_and_skips_parameters_without_grad
                 if not a.is_floating_point() and not key.endswith(".error"):
                     assert (a.int() - bits["inductor"][key].int()).abs().max() <= 1, key
     assert all(triton_adam.ineligible(b, b.optimizer) is None for b in roles.PREPARED[runs["triton"][1]].buckets)
+
+
+@pytest.mark.parametrize("gradient_format", ["e5m2", "e4m3"])
+def test_fp8_gradients_step_matches_fp64_reference_on_inductors_kernel(gradient_format):
+    """FP8 gradients on CUDA: the buckets go to Inductor's Triton kernel (which fuses the decode; the
+    hand-written kernel reads bf16 gradients), held to the fp64 step from the decoded gradients."""
+    model, opt = check_one_step_against_fp64_reference(*ADAM_CASES["AdamW"], device="cuda", compile_options={},
+                                                       gradient_format=gradient_format)
+    reasons = [triton_adam.ineligible(b, b.optimizer) for b in roles.PREPARED[opt].buckets]
+    assert reasons and all("FP8 gradients" in r for r in reasons), reasons
