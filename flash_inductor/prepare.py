@@ -249,7 +249,8 @@ def _check_gradient_format(gradient_format, model, names, state_bits, gradient_r
         return
     option = f"gradient_format={gradient_format!r}"
     if gradient_format not in tensor_scaled.GRADIENT_FORMATS:
-        raise ValueError(f"gradient_format must be None or one of {sorted(tensor_scaled.GRADIENT_FORMATS)}, got {gradient_format!r}")
+        formats = sorted(tensor_scaled.GRADIENT_FORMATS)
+        raise ValueError(f"gradient_format must be None or one of {formats}, got {gradient_format!r}")
     if state_bits is None:
         raise ValueError(
             f"{option} keeps the gradients of the parameters with 8-bit states in FP8, but state_bits=None gives none "

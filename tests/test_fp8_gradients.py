@@ -209,7 +209,7 @@ def run_against_bf16_gradients(compile_options, steps=3):
     for x in BATCHES[:steps]:
         loss(fp8_model, x).backward()
         grads = decoded_gradients(fp8_opt)
-        for (name, p), q in zip(fp8_model.named_parameters(), twin.parameters()):
+        for p, q in zip(fp8_model.parameters(), twin.parameters()):
             q.grad = grads[p] if p in grads else p.grad.clone()
         fp8_opt.step()
         twin_opt.step()
