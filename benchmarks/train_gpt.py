@@ -14,6 +14,8 @@ the same batches (same seed), one after another in this one process:
     flashoptim_no_masters  flashoptim with master_weight_bits=None: bf16 weights, no error terms, 8-bit states
     flashoptim_fp8lm     flashoptim with FP8-LM's optimizer states (state_format="fp8lm": e4m3 first moment,
                          fp16 second moment, one scale per tensor)
+    flashoptim_fp8grads  flashoptim with FP8 gradients (gradient_format="e5m2": 1 B/param, one scale per tensor)
+    flashoptim_fp8lm_fp8grads  flashoptim_fp8lm with FP8 gradients: FP8-LM's optimizer (issue 16, item 4)
     flashoptim_pypi      peer: the ``flashoptim`` package's FlashAdamW (CUDA only); compiled model
     torchao_adamw8bit    peer: torchao.optim.AdamW8bit on bf16 params (stochastic rounding);
                          compiled model
@@ -189,15 +191,18 @@ def autocast(device, enabled):
     return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
-def make_step(model, optimizer, use_autocast=False, grad_clip=None):
-    """Forward, backward, clipping of the gradients' total norm to ``grad_clip`` (None: none), step."""
+def make_step(model, optimizer, use_autocast=False, grad_clip=None, fp8_gradients=False):
+    """Forward, backward, clipping of the gradients' total norm to ``grad_clip`` (None: none), step.
+    ``fp8_gradients``: clip with ``flash_inductor.clip_grad_norm_`` (torch's would not see them)."""
     device = next(model.parameters()).device
 
     def step(x, y):
         with autocast(device, use_autocast):
             loss = lm_loss(model, x, y)
         loss.backward()
-        if grad_clip is not None:
+        if grad_clip is not None and fp8_gradients:
+            flash_inductor.clip_grad_norm_(optimizer, grad_clip)
+        elif grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
         optimizer.zero_grad()
@@ -226,10 +231,12 @@ def build_bf16_adamw(model, args):
     return Setup(model, opt, compiled(make_step(model, opt, grad_clip=args.grad_clip), args))
 
 
-def build_flashoptim(model, args, gradient_release=False, master_weight_bits=24, state_format="companded", **options):
+def build_flashoptim(model, args, gradient_release=False, master_weight_bits=24, state_format="companded",
+                     gradient_format=None, **options):
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args))
-    step = make_step(model, opt, grad_clip=args.grad_clip)
-    prepare_args = dict(gradient_release=gradient_release, master_weight_bits=master_weight_bits, state_format=state_format)
+    step = make_step(model, opt, grad_clip=args.grad_clip, fp8_gradients=gradient_format is not None)
+    prepare_args = dict(gradient_release=gradient_release, master_weight_bits=master_weight_bits, state_format=state_format,
+                        gradient_format=gradient_format)
     if args.no_inductor:  # eager model; the prepared step runs the rewritten graph op by op
         flash_inductor.prepare(model, opt, compile_options={**options, "compiler": "eager"}, **prepare_args)
         return Setup(model, opt, step)
@@ -247,6 +254,14 @@ def build_flashoptim_no_masters(model, args):
 
 def build_flashoptim_fp8lm(model, args):
     return build_flashoptim(model, args, state_format="fp8lm")
+
+
+def build_flashoptim_fp8grads(model, args):
+    return build_flashoptim(model, args, gradient_format="e5m2")
+
+
+def build_flashoptim_fp8lm_fp8grads(model, args):
+    return build_flashoptim(model, args, state_format="fp8lm", gradient_format="e5m2")
 
 
 def build_flashoptim_fp8(model, args):
@@ -286,6 +301,8 @@ CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args
     "flashoptim_release": build_flashoptim_release,
     "flashoptim_no_masters": build_flashoptim_no_masters,
     "flashoptim_fp8lm": build_flashoptim_fp8lm,
+    "flashoptim_fp8grads": build_flashoptim_fp8grads,
+    "flashoptim_fp8lm_fp8grads": build_flashoptim_fp8lm_fp8grads,
     "flashoptim_pypi": build_flashoptim_pypi,
     "torchao_adamw8bit": build_torchao_adamw8bit,
 }

@@ -20,11 +20,12 @@ def check_before_step(optimizer):
     check_numerics(record, optimizer)
 
 
-def check_numerics(record, optimizer):
-    """With ``prepare(..., check_numerics=True)``: every group's lr must move its weights."""
+def check_numerics(record, optimizer, stepped=None):
+    """With ``prepare(..., check_numerics=True)``: every group's lr must move its weights (those of
+    the parameters in ``stepped``; default: those with a ``.grad``)."""
     if record.check_numerics:
         for group in optimizer.param_groups:
-            check_lr_moves_weights(record, group)
+            check_lr_moves_weights(record, group, stepped)
 
 
 def check_grad(record, p):
@@ -73,17 +74,18 @@ def _master_description(record, param):
     return f"{param.dtype} masters (no error term)"
 
 
-def check_lr_moves_weights(record, group):
+def check_lr_moves_weights(record, group, stepped=None):
     """FlashOptim's ``check_numerics``: refuse a learning rate whose steps round away to nothing.
 
-    Only parameters this step updates (those with a gradient) are checked; ``lr = 0`` (e.g. the
-    first step of a warmup) is a deliberate no-op and passes.
+    Only parameters this step updates are checked (``stepped``; default: those with a ``.grad``;
+    FP8 gradients are not in ``.grad``); ``lr = 0`` (e.g. the first step of a warmup) is a
+    deliberate no-op and passes.
     """
     lr = float(group["lr"])
     if lr == 0.0:
         return
     for p in group["params"]:
-        if p.grad is None or p.numel() == 0:
+        if (p.grad is None if stepped is None else p not in stepped) or p.numel() == 0:
             continue
         floor = smallest_step(p, record.error_term(p))
         if lr < floor:

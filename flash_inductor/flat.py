@@ -6,6 +6,9 @@ format (quantized or fp32 states). A bucket holds one flat buffer per stored ten
     weights  (N,)      bf16/fp16/fp32   every parameter's ``.data`` is a view of it
     errors   (N,)      int8/int16       the error terms (``record.error_terms[p]`` are views)
     grads    (N,)      the parameters' dtype; every ``p.grad`` lands in its view
+    fp8_grads          instead of ``grads`` with ``prepare(..., gradient_format="e5m2")``, in quantized
+                       buckets: a TensorScaledState of e5m2 (or e4m3) codes (G, 32) + one fp32 scale
+                       per parameter, which backward's hooks encode each gradient into
     states   per key: CompandedState of codes (G, 32) + scales (G,), TensorScaledState of codes
              (G, 32) + one scale per parameter and each parameter's first row, or Fp32State (G, 32)
     step     (G, 1)    fp32             the step count, per group of 32 (optimizers that count steps)
@@ -18,12 +21,22 @@ so checkpoints, ``memory_report`` and inspection read them as before.
 
 The step is the user's optimizer class run once per bucket, on a *bucket optimizer*: an instance of
 the same class whose one parameter is ``weights.view(G, 32)``, whose gradient is ``grads.view(G,
-32)`` and whose states are the flat states. Its hyperparameters are the user's group's, read before
+32)`` (with FP8 gradients: a stand-in that passes/fp8_gradients.py replaces by ``fp8_grads``,
+decoded inside the step) and whose states are the flat states. Its hyperparameters are the user's group's, read before
 every step (SGD's momentum through a tensor of the bucket: ``BoundHyperparameter``). Dynamo traces
 the stock update once per bucket, whatever the number of parameters; the storage passes rewrite it
 like any prepared step, and ``passes/untouched_parameters`` keeps the groups of parameters without
 a gradient as they were (``active``). The step count is per group so
 that a parameter skipped in some steps keeps its own count, as in torch.
+
+FP8 gradients (FP8-LM's 1 B/param gradients): each parameter's post-accumulate-grad hook encodes the
+gradient autograd produced into its segment of ``fp8_grads`` (one power-of-two scale per parameter,
+``formats/tensor_scaled.py``) and sets ``p.grad = None``, so only the gradients of the layer being
+differentiated exist in the parameters' dtype at a time. A second gradient before the step (micro-
+batch accumulation) is added in fp32 to the decoded first and encoded again. A gradient belongs to
+the next step only: the step consumes it, and ``zero_grad`` (either ``set_to_none``) discards it.
+``p.grad`` stays None, so code that reads ``.grad`` (``torch.nn.utils.clip_grad_norm_``) finds
+nothing: ``flash_inductor.clip_grad_norm_`` (gradient_clipping.py) clips them.
 """
 
 import collections
@@ -33,8 +46,8 @@ import weakref
 
 import torch
 
-from flash_inductor import checks, registry, roles
-from flash_inductor.formats import companded
+from flash_inductor import checks, registry, roles, sharded
+from flash_inductor.formats import companded, tensor_scaled
 from flash_inductor.formats.state_tensor import QUANTIZED, CompandedState, Fp32State, TensorScaledState
 
 GROUP = companded.GROUP_SIZE
@@ -95,6 +108,9 @@ class Bucket:
             self.name += f"_{device.type}{device.index}"
         if not trainable:
             self.name += "_frozen"
+        fp8_gradients = record.gradient_format is not None and quantized and trainable
+        if fp8_gradients:
+            self.name += f"_{record.gradient_format}_grads"
         # One kind of flat buffer at a time, each parameter's own tensor freed as it moves in: prepare's
         # peak stays near the stored bytes (all per-parameter and all flat buffers at once were 2x).
         zeros = lambda dtype: torch.zeros(offset, dtype=dtype, device=first.device)  # noqa: E731
@@ -112,8 +128,16 @@ class Bucket:
             self.states[key] = _flat_state(optimizer.state[first][key], self.num_groups, starts)
             for p in params:
                 self._adopt_state(optimizer, key, p)
-        self.grads = zeros(first.dtype)  # released below: storage from the first gradient on (hold_gradients)
-        self.grad_views = [self.segments[p].of(self.grads) for p in params]
+        self._record = weakref.ref(record)  # names for the errors of gradient hooks
+        if fp8_gradients:  # always held: 1 B/param and a scale per parameter
+            self.fp8_grads = TensorScaledState.zeros_segments(
+                self.num_groups, torch.tensor(starts, dtype=torch.int64, device=first.device), companded.SIGNED,
+                first.dtype, tensor_scaled.GRADIENT_FORMATS[record.gradient_format])
+            self.grads = self.grad_views = None
+        else:
+            self.fp8_grads = None
+            self.grads = zeros(first.dtype)  # released below: storage from the first gradient on (hold_gradients)
+            self.grad_views = [self.segments[p].of(self.grads) for p in params]
         # Without the flat step (gradient release updates each parameter alone, on its views) step
         # counts stay the parameters' own tensors, and there is no bucket optimizer.
         self.counts_steps = layout.step and flat_step
@@ -206,9 +230,7 @@ class Bucket:
             groups = segment.groups
             return CompandedState(flat.codes[groups], flat.scales[groups], flat.kind, shape=segment.shape, dtype=flat.dtype)
         if isinstance(flat, TensorScaledState):  # one segment: the parameter's own scale
-            scale = flat.scales[segment.index:segment.index + 1]
-            return TensorScaledState(flat.codes[segment.groups], scale, TensorScaledState.one_segment(scale.device),
-                                     flat.kind, shape=segment.shape, dtype=flat.dtype)
+            return flat.segment(segment.index, segment.groups, segment.shape)
         return Fp32State(segment.of(flat.values.view(-1)), shape=segment.shape, dtype=flat.dtype)
 
     def nbytes(self):
@@ -225,12 +247,17 @@ class Bucket:
         return {
             "weights": _bytes(self.weights), "error_terms": 0 if self.errors is None else _bytes(self.errors),
             "states": states, "state_scales": scales,
-            "grads": _bytes(self.grads) if self.gradients_held() or any(p.requires_grad for p in self.params) else 0,
+            "grads": self._gradient_bytes(),
         }
+
+    def _gradient_bytes(self):
+        if self.fp8_grads is not None:  # codes, scales and segment starts
+            return sum(self.fp8_grads.stored_bytes().values())
+        return _bytes(self.grads) if self.gradients_held() or any(p.requires_grad for p in self.params) else 0
 
     # ------------------------------------------------------------------ gradients
     def gradients_held(self):
-        return self.grads.untyped_storage().nbytes() > 0
+        return self.grads is not None and self.grads.untyped_storage().nbytes() > 0
 
     def hold_gradients(self):
         """Give the flat gradient buffer its storage again (zeros) after ``release_gradients``."""
@@ -239,15 +266,21 @@ class Bucket:
             self.grads.zero_()
 
     def release_gradients(self):
-        """Free the flat gradient buffer (``zero_grad(set_to_none=True)``: no parameter holds a view)."""
-        self.grads.untyped_storage().resize_(0)
+        """Free the flat gradient buffer (``zero_grad(set_to_none=True)``: no parameter holds a view);
+        FP8 gradients are discarded (their store stays allocated)."""
+        if self.grads is not None:
+            self.grads.untyped_storage().resize_(0)
         self._received.clear()
         self._expected.clear()
 
     def land(self, index, from_backward=False):
         """Make parameter ``index``'s gradient its view of the flat buffer (copying one that is not).
         From backward (its post-accumulate-grad hook), the first gradient of a step that autograd
-        created also presets the other parameters' views (``_preset_views``)."""
+        created also presets the other parameters' views (``_preset_views``). With FP8 gradients:
+        add it to the parameter's FP8 gradient (``_encode_gradient``)."""
+        if self.fp8_grads is not None:
+            self._encode_gradient(index)
+            return
         p, view = self.params[index], self.grad_views[index]
         first = from_backward and not self._received
         if from_backward:
@@ -262,6 +295,40 @@ class Bucket:
         p.grad = view
         if first:
             self._preset_views(stale)
+
+    def _encode_gradient(self, index):
+        """Add ``p.grad`` to parameter ``index``'s FP8 gradient and set ``p.grad = None``: encode it
+        (amax -> power-of-two scale -> codes), or, when the parameter already has one this step,
+        decode that, add in fp32 and encode the sum. Refuses (before writing) a gradient the step
+        could not use, and a plain parameter in a multi-process run (DDP would reduce ``p.grad``,
+        which is gone)."""
+        p = self.params[index]
+        if p.grad is None:
+            return
+        record = self._record()
+        checks.check_grad(record, p)
+        if sharded.data_parallel(p):
+            raise RuntimeError(
+                f"prepare(..., gradient_format={record.gradient_format!r}): parameter '{record.param_names.get(p, '?')}' "
+                "is a plain tensor in a multi-process run: its gradient is taken from .grad in backward, before "
+                "DistributedDataParallel could all-reduce it; use gradient_format=None with data parallelism"
+            )
+        stored = self._fp8_gradient(p)
+        value = p.grad.float()
+        if index in self._received:
+            value = stored.decode() + value
+        stored.store(value)
+        self._received.add(index)
+        p.grad = None
+
+    def _fp8_gradient(self, p):
+        """``p``'s FP8 gradient: a one-segment TensorScaledState of views of ``fp8_grads``."""
+        segment = self.segments[p]
+        return self.fp8_grads.segment(segment.index, segment.groups, segment.shape)
+
+    def fp8_gradients(self):
+        """{parameter: its FP8 gradient} of the parameters that have one now (gradient clipping)."""
+        return {self.params[i]: self._fp8_gradient(self.params[i]) for i in sorted(self._received)}
 
     def _preset_views(self, stale):
         """Give the parameters that had a gradient in the last step their zero view as ``.grad`` now,
@@ -280,10 +347,23 @@ class Bucket:
             self._expected.add(index)
 
     def collect_gradients(self, optimizer, record):
-        """Before the step: every gradient in the flat buffer, and ``active`` set to the groups of
-        the parameters that have one. False when none has: the bucket is not stepped at all.
-        A gradient that is not its view yet is checked first (``checks.check_grad``), so a step it
-        refuses raises before anything is written."""
+        """Before the step: every gradient in the flat buffer (or the FP8 gradients), and ``active``
+        set to the groups of the parameters that have one. False when none has: the bucket is not
+        stepped at all. A gradient that is not its view yet is checked first (``checks.check_grad``),
+        so a step it refuses raises before anything is written."""
+        flags = self._fp8_gradient_flags() if self.fp8_grads is not None else self._flat_gradient_flags(record)
+        if not any(flags):
+            return False
+        if flags != self._active_flags:
+            if not self.per_group:
+                self._go_per_group(optimizer)
+            rows = torch.tensor([self.segments[p].rows.stop - self.segments[p].rows.start for p in self.params])
+            mask = torch.repeat_interleave(torch.tensor(flags), rows)
+            self.active.copy_(mask.view(-1, 1))
+            self._active_flags = flags
+        return True
+
+    def _flat_gradient_flags(self, record):
         for index in self._expected:  # preset, and no gradient came
             if self.params[index].grad is self.grad_views[index]:
                 self.params[index].grad = None
@@ -296,16 +376,21 @@ class Bucket:
             if grad is not None and grad is not view:
                 checks.check_grad(record, p)
                 self.land(index)
-        if not any(flags):
-            return False
-        if flags != self._active_flags:
-            if not self.per_group:
-                self._go_per_group(optimizer)
-            rows = torch.tensor([self.segments[p].rows.stop - self.segments[p].rows.start for p in self.params])
-            mask = torch.repeat_interleave(torch.tensor(flags), rows)
-            self.active.copy_(mask.view(-1, 1))
-            self._active_flags = flags
-        return True
+        return flags
+
+    def _fp8_gradient_flags(self):
+        """Which parameters have an FP8 gradient (a ``.grad`` set by hand is added first); the step
+        consumes them."""
+        for index, p in enumerate(self.params):
+            if p.grad is not None:
+                self._encode_gradient(index)
+        flags = [index in self._received for index in range(len(self.params))]
+        self._received = set()
+        return flags
+
+    def stepped_params(self):
+        """The parameters the step after ``collect_gradients`` updates."""
+        return [p for p, active in zip(self.params, self._active_flags) if active]
 
     def sync_hyperparameters(self, optimizer):
         """The user's current hyperparameters (the same ``lr`` tensor) on the bucket optimizer.
@@ -411,10 +496,8 @@ def _flat_state(example, num_groups, starts):
     if isinstance(example, CompandedState):
         return CompandedState.zeros(like, example.kind)
     if isinstance(example, TensorScaledState):
-        one = TensorScaledState.zeros(like, example.kind)
         segments = torch.tensor(starts, dtype=torch.int64, device=example.device)
-        return TensorScaledState(one.codes, one.scales.expand(len(starts)).clone(), segments, example.kind,
-                                 shape=shape, dtype=example.dtype)
+        return TensorScaledState.zeros_segments(num_groups, segments, example.kind, example.dtype, example.codes.dtype)
     if isinstance(example, Fp32State):
         return Fp32State(torch.zeros(shape, dtype=torch.float32, device=example.device), shape=shape, dtype=example.dtype)
     raise TypeError(f"a flat bucket keeps StateTensor states, got {type(example).__name__}")
@@ -424,7 +507,10 @@ def _bucket_optimizer(optimizer, record, bucket):
     """An optimizer of ``optimizer``'s class over the bucket's flat storage, prepared (registered
     in ``roles.PREPARED``) so the passes find its tensors' roles."""
     flat = bucket.weights.view(bucket.num_groups, GROUP)
-    flat.grad = bucket.grads.view(bucket.num_groups, GROUP)
+    if bucket.fp8_grads is None:
+        flat.grad = bucket.grads.view(bucket.num_groups, GROUP)
+    else:  # a stand-in of one element: passes/fp8_gradients.py makes the step read the FP8 gradients
+        flat.grad = torch.zeros((), dtype=flat.dtype, device=flat.device).expand(flat.shape)
     group = {k: v for k, v in optimizer.param_groups[bucket.group_index].items() if k != "params"}
     group.update((k, v) for k, v in _BUCKET_SETTINGS.items() if k in group)
     if bucket.bound is not None:
@@ -448,6 +534,7 @@ def _bucket_optimizer(optimizer, record, bucket):
         buckets=[],
         active_groups=bucket.active,
         bound_hyperparameter=bucket.bound,
+        fp8_gradients=bucket.fp8_grads,
     )
     return proxy
 
@@ -510,8 +597,10 @@ def step_buckets(optimizers):
             inspect.unwrap(type(optimizer).step)(optimizer)
 
 
-def release_gradients(record):
+def release_gradients(record, set_to_none=True):
+    """``zero_grad``: free the flat gradient buffers no ``.grad`` views (``set_to_none``), and
+    discard FP8 gradients (either way: no zero FP8 gradients are kept to step with)."""
     for bucket in record.buckets:
-        if all(p.grad is None for p in bucket.params):
+        if bucket.fp8_grads is not None or (set_to_none and all(p.grad is None for p in bucket.params)):
             bucket.release_gradients()
 

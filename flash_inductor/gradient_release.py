@@ -135,7 +135,7 @@ class GradientRelease:
                 "and freed in backward; call optimizer.step() (or zero_grad()) after every backward, or use "
                 "gradient_release=False"
             )
-        if _data_parallel(param):
+        if sharded.data_parallel(param):
             raise RuntimeError(
                 f"{OPTION}: parameter '{name}' is a plain tensor in a {dist.get_world_size()}-process run: with data "
                 "parallelism (DistributedDataParallel) it would be updated with its local gradient before the "
@@ -167,15 +167,6 @@ class GradientRelease:
                                        self.compile_options)
             self.optimizers[param] = step
         return step, step.sync(self.local_optimizer.optimizer)
-
-
-def _data_parallel(param):
-    """A plain (not DTensor) parameter in a multi-process run: replicated, its gradient local."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return not isinstance(param, DTensor)
 
 
 @torch.compiler.disable

@@ -33,7 +33,9 @@ class PreparedOptimizer:
     buckets: list = dataclasses.field(default_factory=list)  # flat.Bucket, when its step is flat
     active_groups: object = None  # of a bucket optimizer: its Bucket.active mask
     bound_hyperparameter: object = None  # of a bucket optimizer: its Bucket.bound (flat.BoundHyperparameter)
+    fp8_gradients: object = None  # of a bucket optimizer: its Bucket.fp8_grads (passes/fp8_gradients.py)
     state_format: str = "companded"  # how quantized states are stored: a name in STATE_FORMATS
+    gradient_format: str | None = None  # FP8 gradients of quantized buckets: a name in tensor_scaled.GRADIENT_FORMATS
 
     @property
     def optimizer(self):

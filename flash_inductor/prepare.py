@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from flash_inductor import checkpoint, flat, model_conversion, module_hooks, registry, roles, sharded
 from flash_inductor import gradient_release as release
-from flash_inductor.formats import split_weights
+from flash_inductor.formats import split_weights, tensor_scaled
 from flash_inductor.optimizer_record import PreparedOptimizer, init_state, make_lr_tensor, prepared
 from flash_inductor.options import Options
 from flash_inductor.sharded_step import route_step_through_local_optimizer
@@ -41,6 +41,7 @@ def prepare(
     check_numerics: bool = False,
     compile_options: dict | None = None,
     gradient_release: bool = False,
+    gradient_format: str | None = None,
 ):
     """Make ``model`` + ``optimizer`` memory-efficient, in place; returns ``model``.
 
@@ -66,6 +67,11 @@ def prepare(
     - ``gradient_release=True`` instead updates each parameter in backward, as soon as its
       gradient is complete, and frees the gradient; ``optimizer.step()`` only marks the end of a
       step (flash_inductor/gradient_release.py).
+    - ``gradient_format="e5m2"`` (or ``"e4m3"``) keeps the gradients of the parameters with 8-bit
+      states (``min_quantized_numel`` elements or more) in FP8 with one scale per tensor (1 B/param)
+      from backward until the step, which decodes them in its kernel; ``p.grad`` stays None, so clip
+      with ``flash_inductor.clip_grad_norm_(optimizer, max_norm)``, not torch's. Default None: the
+      parameters' dtype. Not with gradient release, DDP or FSDP2 (flash_inductor/flat.py).
     """
     # Everything is checked before anything is changed: a refused call leaves model and optimizer as
     # they were.
@@ -97,11 +103,13 @@ def prepare(
         raise ValueError(f"gradient_release must be True or False, got {gradient_release!r}")
     if gradient_release:
         release.check_model(model)
+    _check_gradient_format(gradient_format, model, names, state_bits, gradient_release)
     masters = model_conversion.convert_model(model, keep_fp32, held=set(names))
 
     record = PreparedOptimizer(
         weakref.ref(optimizer), master_weight_bits, state_bits, min_quantized_numel,
         compressed_state_dict, check_numerics, compile_options=compile_options or {}, state_format=state_format,
+        gradient_format=gradient_format,
     )
     for group in optimizer.param_groups:
         prepare_group(optimizer, record, group, masters, names)
@@ -232,6 +240,34 @@ def _deepcopy_prepared(optimizer, memo):
     route_step_through_buckets(copied, record.compile_options)
     _install_prepared_methods(copied)
     return copied
+
+
+def _check_gradient_format(gradient_format, model, names, state_bits, gradient_release):
+    """``gradient_format`` is one of GRADIENT_FORMATS or None, and fits the other arguments: the FP8
+    gradients live in the flat buckets of quantized states, and nothing else may need ``.grad``."""
+    if gradient_format is None:
+        return
+    option = f"gradient_format={gradient_format!r}"
+    if gradient_format not in tensor_scaled.GRADIENT_FORMATS:
+        formats = sorted(tensor_scaled.GRADIENT_FORMATS)
+        raise ValueError(f"gradient_format must be None or one of {formats}, got {gradient_format!r}")
+    if state_bits is None:
+        raise ValueError(
+            f"{option} keeps the gradients of the parameters with 8-bit states in FP8, but state_bits=None gives none "
+            "8-bit states; pass state_bits=8 (the default) with it, or drop gradient_format"
+        )
+    if gradient_release:
+        raise ValueError(
+            f"{option} cannot be combined with gradient_release=True: gradient release applies each gradient in backward "
+            "and frees it, so there is no gradient to keep until the step; choose one of them"
+        )
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) or any(sharded.is_sharded(p) for p in names):
+        raise ValueError(
+            f"{option} is not supported with DistributedDataParallel or FSDP2 (fully_shard): their gradient "
+            "collectives read and write .grad, which FP8 gradients leave empty; use gradient_format=None"
+        )
 
 
 def _check_group(optimizer, group, names):

@@ -29,6 +29,15 @@ def is_sharded(t):
     return isinstance(t, DTensor)
 
 
+def data_parallel(param):
+    """A plain (not DTensor) parameter in a multi-process run: replicated, its gradient local (until
+    DDP all-reduces it)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        return False
+    return not is_sharded(param)
+
+
 def local(t):
     """The rank's shard of a DTensor (the tensor object itself, which FSDP2 updates in place and
     the local optimizer is keyed by; the bf16 shard inside an FP8 all-gather wrapper,

@@ -21,7 +21,7 @@ def route_step_through_buckets(optimizer, compile_options):
     """Replace ``optimizer.step`` (a bound method, so LR schedulers can wrap it) by the flat step:
     the gradients collected into the buckets, then the stock step of every bucket optimizer with a
     gradient, through the ``flashoptim`` backend. And ``zero_grad(set_to_none=True)`` frees the
-    flat gradient buffers.
+    flat gradient buffers (FP8 gradients: ``zero_grad`` discards them either way).
 
     Inside a compiled function (a train step) too, the step runs this way, as its own graph (torch
     breaks the graph around every optimizer step anyway): traced inline it would miss
@@ -41,7 +41,7 @@ def route_step_through_buckets(optimizer, compile_options):
         record = prepared(self)
         loss = evaluate_closure(closure)
         stepping = flat.collect_gradients(record)  # checks each gradient it has to copy in
-        checks.check_numerics(record, self)
+        checks.check_numerics(record, self, stepped={p for b in stepping for p in b.stepped_params()})
         module_hooks.forget_loaded_error_terms(record.params())
         by_kernel = []
         if hand_written:
@@ -58,8 +58,7 @@ def route_step_through_buckets(optimizer, compile_options):
     @torch.compiler.disable
     def zero_grad(self, set_to_none=True):
         original_zero_grad(set_to_none)
-        if set_to_none:
-            flat.release_gradients(prepared(self))
+        flat.release_gradients(prepared(self), set_to_none)
 
     # torch's wrapper of ``step``: the user's step hooks (register_step_pre_hook) and profiling.
     optimizer.step = types.MethodType(torch.optim.Optimizer.profile_hook_step(step), optimizer)

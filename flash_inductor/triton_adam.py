@@ -1,7 +1,8 @@
 """A hand-written Triton kernel for the flat Adam/AdamW step on CUDA (issue 13).
 
 Inductor's kernel for the traced stock update (``flat.step_buckets``) stays the reference and the
-path for every other case: the CPU, other optimizers, amsgrad, fp32 or FP8-LM states, or 32-bit masters. On
+path for every other case: the CPU, other optimizers, amsgrad, fp32 or FP8-LM states, FP8 gradients, or
+32-bit masters. On
 the H200 this kernel is faster (docs/benchmarks.md, "The flat optimizer step"): it processes
 ``BLOCK_GROUPS`` groups of 32 per program with few registers, where Inductor's persistent
 reductions over the two state scales keep more values live.
@@ -136,6 +137,8 @@ def ineligible(bucket, optimizer):
         return "not on a CUDA device"
     if not isinstance(optimizer, torch.optim.Adam):
         return f"{type(optimizer).__name__} has no hand-written kernel"
+    if bucket.fp8_grads is not None:
+        return "FP8 gradients (gradient_format): Inductor's kernel fuses their decode into the update"
     if group.get("amsgrad") or group.get("differentiable"):
         return "amsgrad/differentiable"
     if bucket.weights.dtype not in split_weights.SPLIT_DTYPES:

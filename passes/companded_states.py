@@ -24,6 +24,9 @@ After::
     p.addcdiv_(exp_avg_fp32, denom)
     CompandedState.store(exp_avg, exp_avg_fp32)     # codes, scales <- encode(exp_avg_fp32)
 
+FP8 gradients (a bucket optimizer with ``fp8_gradients``) are decoded to fp32 by
+passes/fp8_gradients.py instead.
+
 Only states the graph writes, and gradients of parameters it updates, are rewritten. With quantized
 states every input of a parameter's update is viewed in the states' storage layout, ``(groups,
 32)`` (see ``PreparedOptimizer.update_shape``), so Inductor fuses update and encode per group.
@@ -49,6 +52,8 @@ def companded_states_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list
             continue
         shape = role.prepared.update_shape(role.param)
         regrouped = shape != tuple(role.param.shape)
+        if role.kind == roles.GRAD and role.prepared.fp8_gradients is not None:
+            continue
         if role.kind == roles.GRAD and (regrouped or role.param.grad.dtype in (torch.bfloat16, torch.float16)):
             rewrites[name] = dict(decode=to_fp32, store=None, view=shape if regrouped else None)
         elif role.kind == roles.STATE and name in ctx.written:

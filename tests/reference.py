@@ -15,6 +15,7 @@ INF = float("inf")
 BF16 = (7, -126, (2 - 2.0**-7) * 2.0**127)
 FP16 = (10, -14, 65504.0)
 E4M3 = (3, -6, 448.0)  # float8_e4m3fn (no inf; 448 is its largest finite value)
+E5M2 = (2, -14, 57344.0)  # float8_e5m2
 GROUP = 32
 
 
@@ -101,6 +102,13 @@ def ref_tensor_scaled_encode(x64, fmt, floor):
     if floor:
         q = torch.where((x > 0) & (q == 0), 2.0 ** (emin - mant), q)
     return q, scale
+
+
+def ref_fp8_gradient(g, fmt=E5M2):
+    """A gradient as the step reads it with FP8 gradients: encoded with one power-of-two scale
+    (``ref_tensor_scaled_encode``, no floor) and decoded, float64 in ``g``'s shape."""
+    q, scale = ref_tensor_scaled_encode(g, fmt, False)
+    return (q / scale).view(g.shape)
 
 
 # ============================================================================ fp64 reference optimizers

@@ -39,10 +39,13 @@ from flash_inductor.pipeline import PassFailed
 from helpers import EAGER, ref_decode_state
 from reference import (
     BF16,
+    E4M3,
+    E5M2,
     FP16,
     GROUP,
     RefLion,
     RefSGDW,
+    ref_fp8_gradient,
     ref_one_step,
     ref_split_decode,
     ref_split_encode,
@@ -106,12 +109,14 @@ def batch(i, width=128, classes=16):
 
 
 def bf16_grads(model, i):
-    """Backward of a cross-entropy loss on the (bf16) model: its bf16 gradients, detached copies."""
+    """Backward of a cross-entropy loss on the (bf16) model: its bf16 gradients, detached copies,
+    set as ``.grad`` (by hand: FP8 gradients' backward hooks would take them)."""
     first, last = list(model.modules())[1], list(model.modules())[-1]
     x, y = batch(i, first.in_features, last.out_features)
     loss = nn.functional.cross_entropy(model(x.to(first.weight.device, first.weight.dtype)).float(), y.to(first.weight.device))
-    loss.backward()
-    return [p.grad.detach().clone() for p in model.parameters()]
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    set_grads(model, grads)
+    return [g.detach().clone() for g in grads]
 
 
 def set_grads(model, grads):
@@ -236,12 +241,24 @@ def test_one_step_matches_fp64_reference_within_one_code_step(name):
     check_one_step_against_fp64_reference(*ONE_STEP_CASES[name], device="cpu", compile_options=EAGER)
 
 
-def check_one_step_against_fp64_reference(cls, kwargs, algo, device, compile_options):
+@pytest.mark.parametrize("name,gradient_format", [("AdamW", "e5m2"), ("SGD-momentum", "e5m2"), ("AdamW", "e4m3")])
+def test_one_step_with_fp8_gradients_matches_fp64_reference(name, gradient_format):
+    """``prepare(..., gradient_format=...)``: every step against the fp64 step from the gradient
+    as the FP8 store holds it (encoded with one power-of-two scale per tensor and decoded, by the
+    reference), to the same tolerances."""
+    check_one_step_against_fp64_reference(*ONE_STEP_CASES[name], device="cpu", compile_options=EAGER,
+                                          gradient_format=gradient_format)
+
+
+def check_one_step_against_fp64_reference(cls, kwargs, algo, device, compile_options, gradient_format=None):
     """Each of ``STEPS`` steps of ``cls`` (prepared on ``device`` with ``compile_options``) against one
-    fp64 reference step from the same decoded masters and states (also tests/test_gpu.py)."""
+    fp64 reference step from the same decoded masters and states (also tests/test_gpu.py). With
+    ``gradient_format``, from the FP8 gradients the step reads (``ref_fp8_gradient``)."""
     model = mlp().to(device)
     opt = cls(model.parameters(), **kwargs)
-    flash_inductor.prepare(model, opt, state_bits=8, min_quantized_numel=1, compile_options=compile_options)
+    flash_inductor.prepare(model, opt, state_bits=8, min_quantized_numel=1, compile_options=compile_options,
+                           gradient_format=gradient_format)
+    fp8 = {"e5m2": E5M2, "e4m3": E4M3}.get(gradient_format)
     record = roles.PREPARED[opt]
     hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
     hyper["lr"] = float(hyper["lr"])  # the fp32 lr tensor prepare made: its exact value
@@ -259,7 +276,8 @@ def check_one_step_against_fp64_reference(cls, kwargs, algo, device, compile_opt
                 for k, s in state.items() if isinstance(s, CompandedState)
             }
             step = float(state["step"]) + 1 if "step" in state else None
-            expected[p] = (master, *ref_one_step(algo, hyper, master, p.grad.double(), states, step))
+            g = p.grad.double() if fp8 is None else ref_fp8_gradient(p.grad, fp8)
+            expected[p] = (master, *ref_one_step(algo, hyper, master, g, states, step))
         grads = {p: p.grad.clone() for p in model.parameters()}
         opt.step()
         opt.zero_grad()

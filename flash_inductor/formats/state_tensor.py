@@ -5,7 +5,7 @@ A ``StateTensor`` presents itself as a dense tensor of the parameter's shape and
 
 - ``CompandedState``: companded 8-bit codes + fp16 group scales (``formats.companded``);
 - ``TensorScaledState``: e4m3 or fp16 codes + one fp32 scale per tensor (``formats.tensor_scaled``,
-  FP8-LM's Adam states);
+  FP8-LM's Adam states); also a flat bucket's FP8 gradients (e5m2 codes), which the step reads;
 - ``Fp32State``: plain fp32 values (unquantized states of bf16/fp16 parameters).
 
 ``STATE_FORMATS`` names the quantized ones for ``prepare(..., state_format=...)``.
@@ -250,6 +250,23 @@ class TensorScaledState(StateTensor):
         codes = torch.zeros(groups, companded.GROUP_SIZE, dtype=code_dtype, device=like.device)
         scales = tensor_scaled.scale_from_amax(torch.zeros(1, device=like.device), code_dtype)
         return cls(codes, scales, cls.one_segment(like.device), kind, shape=like.shape, dtype=like.dtype)
+
+    @classmethod
+    def zeros_segments(cls, num_rows, starts, kind, dtype, code_dtype=None):
+        """An all-zero block of ``num_rows`` rows of 32 whose segments start at the rows ``starts``
+        (int64 [S]), one scale each: a flat bucket's state, or its FP8 gradients (``code_dtype``,
+        default the kind's). It presents as ``dtype`` of shape ``(num_rows, 32)``."""
+        code_dtype = code_dtype or tensor_scaled.CODE_DTYPES[kind]
+        codes = torch.zeros(num_rows, companded.GROUP_SIZE, dtype=code_dtype, device=starts.device)
+        scales = tensor_scaled.scale_from_amax(torch.zeros(starts.shape, device=starts.device), code_dtype)
+        return cls(codes, scales, starts, kind, shape=(num_rows, companded.GROUP_SIZE), dtype=dtype)
+
+    def segment(self, index, rows, shape):
+        """Segment ``index`` (its ``rows``, a slice) as a one-segment state of ``shape``: views of
+        this block's codes and scale, so storing into it writes the block."""
+        scale = self.scales[index:index + 1]
+        return TensorScaledState(self.codes[rows], scale, self.one_segment(scale.device), self.kind, shape=shape,
+                                 dtype=self.dtype)
 
     @staticmethod
     def num_scales(numel):

@@ -1,7 +1,8 @@
-"""Optimizer states with one scale per tensor: FP8-LM's Adam states (MS-AMP O2), DESIGN §2.6.
+"""Tensors with one scale per tensor: FP8-LM's Adam states (MS-AMP O2), DESIGN §2.6, and FP8 gradients.
 
     first moment  (exp_avg):                       float8_e4m3fn codes, one fp32 scale per tensor
     second moment (exp_avg_sq, max_exp_avg_sq):    float16 codes of v itself, one fp32 scale per tensor
+    gradients (``prepare(..., gradient_format=)``): float8_e5m2 (or e4m3) codes, one fp32 scale per tensor
 
 The registry's kinds say which is which (``companded.SIGNED``: a signed moment; ``companded.SQRT``:
 a second moment, stored here as ``v``, not ``sqrt(v)``). Per tensor, all in fp32:
@@ -12,9 +13,9 @@ a second moment, stored here as ``v``, not ``sqrt(v)``). Per tensor, all in fp32
     second moments: a positive x whose code is 0 stores the smallest positive code instead
     decode: x = float(code) * (1 / scale)
 
-``code_max`` is 448 (e4m3) or 65504 (fp16); ``target`` is ``code_max`` plus half the spacing of the
-top codes, 464 or 65520 (values in ``(code_max, target]`` round to ``code_max``, as they would to
-nearest in a wider format). The scale multiplies into the code's range, as in ``formats/fp8.py``
+``code_max`` is 448 (e4m3), 57344 (e5m2) or 65504 (fp16); ``target`` is ``code_max`` plus half the
+spacing of the top codes, 464, 61440 or 65520 (values in ``(code_max, target]`` round to ``code_max``,
+as they would to nearest in a wider format). The scale multiplies into the code's range, as in ``formats/fp8.py``
 (whose rounding to a power of two is reused); MS-AMP's scaling tensors use powers of two too.
 
 Why powers of two, and why this target: ``x * scale`` and ``1 / scale`` are exact, so encode rounds
@@ -37,6 +38,12 @@ a single tensor is one segment, ``starts = [0]``. The segment of each row is fou
 ``bucketize`` and a tensor's amax is a ``scatter_reduce`` (amax) of its rows' maxima: a fixed
 number of operations, whatever the number of tensors.
 
+Gradients (``flash_inductor/flat.py``) are signed values without a floor, stored in e5m2 as FP8-LM
+stores them (its 1 B/param gradients: 2 mantissa bits, range 2**-16 .. 57344 of the scale's unit) or
+in e4m3; encode and decode are the ones above. Gradient clipping multiplies a scale by the inverse of
+its coefficient (``gradient_clipping.py``): decoding then rounds once more, and the scale is no power
+of two until the next encode.
+
 Edge cases: an all-zero tensor stores scale ``2**floor(log2(target * 1e12))`` and codes 0. A tensor
 holding inf has amax inf, scale 0: every element decodes to nan (``0 * inf``); one holding nan has a
 nan scale: also all nan. Loud, like an fp32 state, and never a silently wrong finite value.
@@ -52,15 +59,18 @@ E4M3 = torch.float8_e4m3fn
 # The FP8-LM preset: a signed (first) moment in e4m3, a second moment in fp16 (FP8-LM's "precision
 # decoupling": an e4m3 second moment diverges, benchmarks/fp8lm_ablation.py).
 CODE_DTYPES = {companded.SIGNED: E4M3, companded.SQRT: torch.float16}
+# prepare(..., gradient_format=name): the code dtype of a bucket's gradients (FP8-LM: e5m2)
+GRADIENT_FORMATS = {"e5m2": torch.float8_e5m2, "e4m3": E4M3}
 
 
 def code_max(dtype):
-    """The largest finite code: 448 for e4m3, 65504 for fp16."""
+    """The largest finite code: 448 for e4m3, 57344 for e5m2, 65504 for fp16."""
     return torch.finfo(dtype).max
 
 
 def scale_target(dtype):
-    """``code_max`` plus half the spacing of the codes at the top: 464 for e4m3, 65520 for fp16. A
+    """``code_max`` plus half the spacing of the codes at the top: 464 for e4m3, 61440 for e5m2, 65520
+    for fp16. A
     value up to it rounds to ``code_max`` (the clamp before the cast does what rounding to nearest
     would), and a scaled amax in ``(target / 2, target]`` rounds to a largest code above
     ``target / 2``, so re-encoding decoded values finds the same scale."""
@@ -69,7 +79,7 @@ def scale_target(dtype):
 
 
 def smallest_code(dtype):
-    """The smallest positive code (a subnormal): 2**-9 for e4m3, 2**-24 for fp16."""
+    """The smallest positive code (a subnormal): 2**-9 for e4m3, 2**-16 for e5m2, 2**-24 for fp16."""
     info = torch.finfo(dtype)
     return info.smallest_normal * info.eps
 
