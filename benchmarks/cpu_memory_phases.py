@@ -9,8 +9,11 @@
               ``compiler="eager"``, and the fp32 baseline of hf_clients.py with Inductor
     between   after each step: the storages of the tensors Python reaches (``gc``) against
               ``memory_report`` without gradients, and glibc's bytes in use
+    step_peak the most in use during a steady train step of the linears (Inductor, clipped), with
+              bf16 and with e5m2 gradients (``gradient_format``), above the level between steps
 
     python benchmarks/cpu_memory_phases.py --out benchmarks/results/cpu_memory_phases.json
+    python benchmarks/cpu_memory_phases.py --phases step_peak --out benchmarks/results/cpu_step_peak_fp8_gradients_cpu.json
 """
 
 import argparse
@@ -46,17 +49,10 @@ def in_use():
     return info.uordblks + info.hblkhd
 
 
-def prepare_peak():
-    """The most bytes in use during prepare. The sampler keeps no frame of the main thread: a frame
-    it held would keep that function's tensors alive and be counted."""
-    torch.manual_seed(0)
-    gc.collect()
-    base = in_use()
-    model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(8)])
-    n = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fp32 = in_use() - base
-    peak, done = [0], threading.Event()
+def peak_during(fn):
+    """The most bytes in use while ``fn()`` runs. A thread samples; it keeps no frame of the caller,
+    whose tensors a held frame would keep alive and count."""
+    peak, done = [in_use()], threading.Event()
 
     def sample():
         while not done.is_set():
@@ -65,11 +61,61 @@ def prepare_peak():
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    flash_inductor.prepare(model, opt)
+    fn()
     done.set()
     sampler.join()
+    return peak[0]
+
+
+def linears():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(8)])
+    return model, sum(p.numel() for p in model.parameters())
+
+
+def prepare_peak():
+    """The most bytes in use during prepare."""
     gc.collect()
-    return dict(num_params=n, fp32_model=fp32 / n, prepare_peak=(peak[0] - base) / n, after=(in_use() - base) / n)
+    base = in_use()
+    model, n = linears()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fp32 = in_use() - base
+    peak = peak_during(lambda: flash_inductor.prepare(model, opt))
+    gc.collect()
+    return dict(num_params=n, fp32_model=fp32 / n, prepare_peak=(peak - base) / n, after=(in_use() - base) / n)
+
+
+def step_peak(gradient_format, steps=3):
+    """A steady train step's peak above the level between steps, and that level above the one before
+    the model was built: ``train_step`` (Inductor) over the linears, clipped (FP8 gradients with
+    ``flash_inductor.clip_grad_norm_``), after 3 warm-up steps."""
+    gc.collect()
+    base = in_use()
+    model, n = linears()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(x):
+        model(x).float().square().mean().backward()
+        if gradient_format:
+            flash_inductor.clip_grad_norm_(opt, 1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    step = flash_inductor.train_step(step, model=model, optimizer=opt, gradient_format=gradient_format)
+    x = torch.randn(64, 2048, dtype=torch.bfloat16)
+    for _ in range(3):
+        step(x)
+    rows = []
+    for _ in range(steps):
+        gc.collect()
+        between = in_use()
+        peak = peak_during(lambda: step(x))
+        rows.append(dict(between_steps=(between - base) / n, step_peak_above_between=(peak - between) / n,
+                         step_peak=(peak - base) / n))
+    torch._dynamo.reset()
+    return dict(num_params=n, steps=rows)
 
 
 def gpt2_args(row, compiler):
@@ -109,12 +155,21 @@ def landings_and_between(row, compiler, steps=3):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="cpu_memory_phases.json")
+    parser.add_argument("--phases", default="prepare,landings,step_peak", help="comma list of prepare, landings, step_peak")
     args = parser.parse_args(argv)
-    results = {"torch": torch.__version__, "prepare": prepare_peak()}
-    print("prepare (B/param):", json.dumps({k: round(v, 3) for k, v in results["prepare"].items()}), flush=True)
-    for row, compiler in (("flashoptim", "inductor"), ("flashoptim", "eager"), ("baseline", "inductor")):
-        key = f"{row}_{compiler}"
-        results[key] = landings_and_between(row, compiler)
+    phases = args.phases.split(",")
+    results = {"torch": torch.__version__}
+    if "prepare" in phases:
+        results["prepare"] = prepare_peak()
+        print("prepare (B/param):", json.dumps({k: round(v, 3) for k, v in results["prepare"].items()}), flush=True)
+    runs = {}
+    if "landings" in phases:
+        runs.update({f"{row}_{compiler}": (landings_and_between, row, compiler)
+                     for row, compiler in (("flashoptim", "inductor"), ("flashoptim", "eager"), ("baseline", "inductor"))})
+    if "step_peak" in phases:
+        runs.update({f"step_peak_{fmt or 'bf16'}_gradients": (step_peak, fmt) for fmt in (None, "e5m2")})
+    for key, (phase, *phase_args) in runs.items():
+        results[key] = phase(*phase_args)
         for i, r in enumerate(results[key]["steps"]):
             print(f"{key} step {i + 1} (B/param):", json.dumps({k: round(v, 3) for k, v in r.items()}), flush=True)
     pathlib.Path(args.out).write_text(json.dumps(results, indent=1))
