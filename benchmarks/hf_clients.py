@@ -207,9 +207,9 @@ def build_flashoptim(model, args, gradient_release=False, **options):
 
 def build_flashoptim_fp8(model, args):
     # A smaller model's weights are all under the backend's fp8_min_weight_numel: there, every eligible one.
-    small = {"fp8_min_weight_numel": 0} if args.size != "full" else {}
+    every_eligible = {"fp8_min_weight_numel": 0} if args.size != "full" else {}
     excluded = FP8_EXCLUDE[args.model] + tuple(args.fp8_exclude or ())
-    return build_flashoptim(model, args, fp8="tensorwise", fp8_exclude=excluded, **small)
+    return build_flashoptim(model, args, fp8="tensorwise", fp8_exclude=excluded, **every_eligible)
 
 
 def build_flashoptim_release(model, args):

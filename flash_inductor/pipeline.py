@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from flash_inductor import graph_utils
+from flash_inductor import graph_utils, roles
 
 TORCH = "torch"
 ATEN = "aten"
@@ -47,6 +47,10 @@ class PassContext:
     options: object  # flash_inductor.options.Options
     recorder: object = None  # flash_inductor.inspection.GraphRecorder, when inspecting
     inputs: dict = dataclasses.field(default_factory=dict)  # input node name -> tensor (torch level)
+
+    def updated_params(self):
+        """The prepared parameters the graph writes in place: the ones its optimizer step updates."""
+        return {role.param for name, role in self.roles.items() if role.kind == roles.PARAM and name in self.written}
 
 
 class PassFailed(Warning):

@@ -2,8 +2,7 @@
 
 Inductor's kernel for the traced stock update (``flat.step_buckets``) stays the reference and the
 path for every other case: the CPU, other optimizers, amsgrad, fp32 or FP8-LM states, FP8 gradients, or
-32-bit masters. On
-the H200 this kernel is faster (docs/benchmarks.md, "The flat optimizer step"): it processes
+32-bit masters. On the H200 this kernel is faster (docs/benchmarks.md, "The flat optimizer step"): it processes
 ``BLOCK_GROUPS`` groups of 32 per program with few registers, where Inductor's persistent
 reductions over the two state scales keep more values live.
 

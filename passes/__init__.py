@@ -17,8 +17,8 @@ from .untouched_parameters import untouched_parameters_pass
 
 # bound_hyperparameters runs first: the others then see a graph without its NaNs. untouched_parameters
 # runs before the storage passes (they then make its copies act on decoded values); fp8_gradients before
-# companded_states (which leaves FP8 gradients to it). companded_states
-# sets the layout of the update (see update_shape), which split_weights then decodes the master in.
+# companded_states (which leaves FP8 gradients to it). companded_states sets the layout of the update
+# (see update_shape), which split_weights then decodes the master in.
 TORCH_PASSES = (
     GraphPass("bound_hyperparameters", TORCH, bound_hyperparameters_pass, required_for_prepared=True),
     GraphPass("untouched_parameters", TORCH, untouched_parameters_pass, required_for_prepared=True),

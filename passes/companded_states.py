@@ -44,16 +44,16 @@ def to_fp32(t):
 
 
 def companded_states_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]:
-    updated = {r.param for n, r in ctx.roles.items() if r.kind == roles.PARAM and n in ctx.written}
+    updated = ctx.updated_params()
     rewrites = {}  # node name -> work_on_decoded_copy keyword arguments
     raw_params = {}  # parameter node name -> update shape, for parameters updated in groups
     for name, role in ctx.roles.items():
         if role.param not in updated:
             continue
+        if role.kind == roles.GRAD and role.prepared.fp8_gradients is not None:
+            continue  # passes/fp8_gradients.py decodes them
         shape = role.prepared.update_shape(role.param)
         regrouped = shape != tuple(role.param.shape)
-        if role.kind == roles.GRAD and role.prepared.fp8_gradients is not None:
-            continue
         if role.kind == roles.GRAD and (regrouped or role.param.grad.dtype in (torch.bfloat16, torch.float16)):
             rewrites[name] = dict(decode=to_fp32, store=None, view=shape if regrouped else None)
         elif role.kind == roles.STATE and name in ctx.written:

@@ -37,9 +37,10 @@ def decode(stand_in, codes, scales, starts):
 
 
 def fp8_gradients_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]:
+    updated = ctx.updated_params()
     targets = [
         name for name, role in ctx.roles.items()
-        if role.kind == roles.GRAD and role.prepared.fp8_gradients is not None and role.param in _updated(ctx)
+        if role.kind == roles.GRAD and role.prepared.fp8_gradients is not None and role.param in updated
     ]
     if not targets:
         return gm, []
@@ -55,6 +56,3 @@ def fp8_gradients_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[st
     gm.recompile()
     return gm, targets
 
-
-def _updated(ctx):
-    return {r.param for n, r in ctx.roles.items() if r.kind == roles.PARAM and n in ctx.written}

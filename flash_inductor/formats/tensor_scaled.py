@@ -70,8 +70,7 @@ def code_max(dtype):
 
 def scale_target(dtype):
     """``code_max`` plus half the spacing of the codes at the top: 464 for e4m3, 61440 for e5m2, 65520
-    for fp16. A
-    value up to it rounds to ``code_max`` (the clamp before the cast does what rounding to nearest
+    for fp16. A value up to it rounds to ``code_max`` (the clamp before the cast does what rounding to nearest
     would), and a scaled amax in ``(target / 2, target]`` rounds to a largest code above
     ``target / 2``, so re-encoding decoded values finds the same scale."""
     info = torch.finfo(dtype)
