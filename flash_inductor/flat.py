@@ -31,16 +31,19 @@ that a parameter skipped in some steps keeps its own count, as in torch.
 
 FP8 gradients (FP8-LM's 1 B/param gradients): each parameter's post-accumulate-grad hook encodes the
 gradient autograd produced into its segment of ``fp8_grads`` (one power-of-two scale per parameter,
-``formats/tensor_scaled.py``) and sets ``p.grad = None``, so only the gradients of the layer being
-differentiated exist in the parameters' dtype at a time. A second gradient before the step (micro-
-batch accumulation) is added in fp32 to the decoded first and encoded again. A gradient belongs to
-the next step only: the step consumes it, and ``zero_grad`` (either ``set_to_none``) discards it.
-``p.grad`` stays None, so code that reads ``.grad`` (``torch.nn.utils.clip_grad_norm_``) finds
-nothing: ``flash_inductor.clip_grad_norm_`` (gradient_clipping.py) clips them.
+``formats/tensor_scaled.py``; one compiled kernel pair) and sets ``p.grad = None``, so with eager
+autograd only the gradients of the layer being differentiated exist in the parameters' dtype at a
+time. Like the flat buffer, the codes hold storage from the first gradient until ``zero_grad``. A
+second gradient before the step (micro-batch accumulation) is added in fp32 to the decoded first
+and encoded again. A gradient belongs to the next step only: the step consumes it, and ``zero_grad``
+(either ``set_to_none``) discards it. ``p.grad`` stays None, so code that reads ``.grad``
+(``torch.nn.utils.clip_grad_norm_``) finds nothing: ``flash_inductor.clip_grad_norm_``
+(gradient_clipping.py) clips them.
 """
 
 import collections
 import dataclasses
+import functools
 import inspect
 import weakref
 
@@ -51,6 +54,14 @@ from flash_inductor.formats import companded, tensor_scaled
 from flash_inductor.formats.state_tensor import QUANTIZED, CompandedState, Fp32State, TensorScaledState
 
 GROUP = companded.GROUP_SIZE
+
+
+@functools.cache
+def _compiled_add_gradient():
+    """``tensor_scaled.add_gradient`` compiled once for gradients of every shape (dynamic): backward's
+    hooks call it per parameter, where encoding in eager torch (some thirty launches per gradient)
+    made the H200's 1B GPT step 1.9x slower (docs/benchmarks.md, issue 16's 1B model)."""
+    return torch.compile(tensor_scaled.add_gradient, dynamic=True, fullgraph=True)
 
 
 def segment_length(numel):
@@ -129,7 +140,7 @@ class Bucket:
             for p in params:
                 self._adopt_state(optimizer, key, p)
         self._record = weakref.ref(record)  # names for the errors of gradient hooks
-        if fp8_gradients:  # always held: 1 B/param and a scale per parameter
+        if fp8_gradients:  # codes released below like ``grads``; a scale per parameter always held
             self.fp8_grads = TensorScaledState.zeros_segments(
                 self.num_groups, torch.tensor(starts, dtype=torch.int64, device=first.device), companded.SIGNED,
                 first.dtype, tensor_scaled.GRADIENT_FORMATS[record.gradient_format])
@@ -256,20 +267,29 @@ class Bucket:
         return _bytes(self.grads) if self.gradients_held() or any(p.requires_grad for p in self.params) else 0
 
     # ------------------------------------------------------------------ gradients
+    def _gradient_store(self):
+        """The tensor that holds the bucket's gradients: the flat buffer, or the FP8 gradients' codes."""
+        return self.grads if self.fp8_grads is None else self.fp8_grads.codes
+
     def gradients_held(self):
-        return self.grads is not None and self.grads.untyped_storage().nbytes() > 0
+        store = self._gradient_store()
+        return store is not None and store.untyped_storage().nbytes() > 0
 
     def hold_gradients(self):
-        """Give the flat gradient buffer its storage again (zeros) after ``release_gradients``."""
+        """Give the gradient store its storage again (zeros) after ``release_gradients``."""
         if not self.gradients_held():
-            self.grads.untyped_storage().resize_(self.grads.numel() * self.grads.element_size())
-            self.grads.zero_()
+            store = self._gradient_store()
+            store.untyped_storage().resize_(store.numel() * store.element_size())
+            store.zero_()
 
     def release_gradients(self):
-        """Free the flat gradient buffer (``zero_grad(set_to_none=True)``: no parameter holds a view);
-        FP8 gradients are discarded (their store stays allocated)."""
-        if self.grads is not None:
-            self.grads.untyped_storage().resize_(0)
+        """Free the gradient store (``zero_grad``; the flat buffer with ``set_to_none=True``, when no
+        parameter holds a view), discarding FP8 gradients. Under a compiled backward the peak comes
+        while its graph runs, before any gradient lands: a store held between steps would add to it
+        (the H200's 1B GPT peaked 1.1 GiB higher with an FP8 store always held)."""
+        store = self._gradient_store()
+        if store is not None:
+            store.untyped_storage().resize_(0)
         self._received.clear()
         self._expected.clear()
 
@@ -313,11 +333,9 @@ class Bucket:
                 "is a plain tensor in a multi-process run: its gradient is taken from .grad in backward, before "
                 "DistributedDataParallel could all-reduce it; use gradient_format=None with data parallelism"
             )
+        self.hold_gradients()
         stored = self._fp8_gradient(p)
-        value = p.grad.float()
-        if index in self._received:
-            value = stored.decode() + value
-        stored.store(value)
+        _compiled_add_gradient()(p.grad, stored.codes, stored.scales, index in self._received)
         self._received.add(index)
         p.grad = None
 

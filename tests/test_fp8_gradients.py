@@ -176,6 +176,23 @@ def test_step_and_zero_grad_discard_fp8_gradients():
         assert_same_bits({n: before[n] for n in fp8}, {n: after[n] for n in fp8})
 
 
+def test_the_store_holds_memory_from_the_first_gradient_to_zero_grad():
+    """Like the flat bf16 buffer: no storage between steps (a compiled backward peaks before any
+    gradient lands, so a store held then would add to the peak), 1 B per element from backward's
+    first gradient until ``zero_grad``."""
+    model, opt = make(gradient_format="e5m2")
+    store = fp8_bucket(opt).fp8_grads.codes
+    held = lambda: store.untyped_storage().nbytes()  # noqa: E731
+    assert held() == 0
+    for set_to_none in (True, False):
+        loss(model, BATCHES[0]).backward()
+        assert held() == store.numel()
+        opt.step()
+        assert held() == store.numel()
+        opt.zero_grad(set_to_none=set_to_none)
+        assert held() == 0
+
+
 def assert_same_bits(a, b):
     assert a.keys() == b.keys()
     assert not [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(bits(a[k]), bits(b[k]))]
@@ -225,15 +242,19 @@ def test_step_equals_the_step_of_the_decoded_gradients():
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_inductor_fuses_the_decode_into_the_update_kernel():
-    """Inductor (C++ here) compiles the same bits, and the FP8 codes are read by one kernel, the
-    AdamW update (``lerp``), which writes the weights: no gradient buffer is materialized."""
+    """Inductor (C++ here) compiles the same bits, and the FP8 codes are read by one kernel of the
+    step, the AdamW update (``lerp``), which writes the weights: no gradient buffer is materialized.
+    Backward's hooks encode each gradient in one kernel too (its amax and codes)."""
     from torch._inductor.utils import run_and_get_code
 
     _, codes = run_and_get_code(run_against_bf16_gradients, {}, 1)
     # each C++ kernel: name = async_compile.cpp_pybinding([argument types], ...)
     kernels = re.findall(r"(cpp_fused_\w+) = async_compile.cpp_pybinding\(\[([^]]*)\]", "\n".join(codes))
     reading = [name for name, arguments in kernels if "Float8_e5m2" in arguments]
-    assert len(reading) == 1 and "lerp" in reading[0] and "addcdiv" in reading[0], reading
+    update = [name for name in reading if "lerp" in name]
+    assert len(update) == 1 and "addcdiv" in update[0], reading
+    encoding = [name for name in reading if name not in update]
+    assert encoding and all("amax" in name for name in encoding), reading
 
 
 def test_an_fp8_gradient_bucket_says_so_in_its_name():

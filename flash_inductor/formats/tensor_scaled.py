@@ -133,3 +133,17 @@ def decode(codes, scales, starts):
     """fp32 rows [R, 32] from ``codes`` [R, 32] and the fp32 ``scales`` of the segments ``starts``."""
     segments = row_segments(starts, codes.shape[0])
     return codes.float() * (1 / scales)[segments].unsqueeze(1)
+
+
+def add_gradient(grad, codes, scale, accumulate):
+    """Encode ``grad`` (its elements in order, any dtype) into one segment's ``codes`` [R, 32] and
+    ``scale`` [1], in place; with ``accumulate``, the sum in fp32 of what they hold and ``grad``.
+    The same encode as ``encode``, written for ``torch.compile`` (backward's hooks,
+    flash_inductor/flat.py): one reduction and one pointwise kernel, with no fp32 copy of ``grad``,
+    where eager torch launches some thirty kernels per gradient and keeps fp32 temporaries of it."""
+    rows = companded.as_groups(grad)
+    if accumulate:
+        rows = codes.float() * (1 / scale) + rows
+    new_scale = scale_from_amax(rows.abs().amax().reshape(1), codes.dtype)
+    codes.copy_(_codes(rows, new_scale.view(1, 1), codes.dtype, False))
+    scale.copy_(new_scale)
