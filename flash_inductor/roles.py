@@ -120,13 +120,17 @@ def mutated_inputs(graph: fx.Graph):
     inputs = {n for n in graph.nodes if n.op in ("placeholder", "get_attr")}
     written = set()
     for node in graph.nodes:
-        if node.op not in ("call_method", "call_function"):
-            continue
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-        inplace = node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("__"))
-        if not inplace:
+        if not is_in_place(node):
             continue
         first = node.args[0] if node.args else None
         targets = first if isinstance(first, (list, tuple)) else [first]
         written.update(t.name for t in targets if isinstance(t, fx.Node) and t in inputs)
     return written
+
+
+def is_in_place(node: fx.Node):
+    """Whether ``node`` writes its first argument in place (``x.mul_(...)``, ``x += 1``, foreach ops)."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("__"))

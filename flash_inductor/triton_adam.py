@@ -157,8 +157,9 @@ def step(bucket, optimizer):
     """One Adam/AdamW step of ``bucket`` (``ineligible`` said None), in place: the step counts of its
     active groups advance, ``beta ** step`` of their bias corrections is computed as torch's eager
     Adam does (fp32 pow on the device: libdevice's pow inside the kernel was an ulp off for 0.999 ** 1
-    on the H200, 3e-5 of the first updates), then one kernel updates weights, error terms and states:
-    three launches."""
+    on the H200, 3e-5 of the first updates; Inductor's step takes it in fp64,
+    passes/fp64_step_powers.py), then one kernel updates weights, error terms and states: three
+    launches."""
     group = optimizer.param_groups[0]
     lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
     bucket.step.add_(bucket.active)

@@ -12,17 +12,20 @@ from .fp8_collectives import fp8_collectives_pass
 from .fp8_gradients import fp8_gradients_pass
 from .fp8_linear import fp8_linear_pass
 from .fp32_hyperparameters import fp32_hyperparameters_pass
+from .fp64_step_powers import fp64_step_powers_pass
 from .split_weights import split_weights_pass
 from .untouched_parameters import untouched_parameters_pass
 
 # bound_hyperparameters runs first: the others then see a graph without its NaNs. untouched_parameters
 # runs before the storage passes (they then make its copies act on decoded values); fp8_gradients before
 # companded_states (which leaves FP8 gradients to it). companded_states sets the layout of the update
-# (see update_shape), which split_weights then decodes the master in.
+# (see update_shape), which split_weights then decodes the master in. fp64_step_powers is a matter of
+# an ulp in the bias corrections, not of the stored format: a failure leaves torch's fp32 pow.
 TORCH_PASSES = (
     GraphPass("bound_hyperparameters", TORCH, bound_hyperparameters_pass, required_for_prepared=True),
     GraphPass("untouched_parameters", TORCH, untouched_parameters_pass, required_for_prepared=True),
     GraphPass("fp32_hyperparameters", TORCH, fp32_hyperparameters_pass, required_for_prepared=True),
+    GraphPass("fp64_step_powers", TORCH, fp64_step_powers_pass),
     GraphPass("fp8_gradients", TORCH, fp8_gradients_pass, required_for_prepared=True),
     GraphPass("companded_states", TORCH, companded_states_pass, required_for_prepared=True),
     GraphPass("split_weights", TORCH, split_weights_pass, required_for_prepared=True),

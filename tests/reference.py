@@ -157,14 +157,15 @@ class RefSGDW:
             p.sub_(self.lr * d)
 
 
-def fp32_bias_correction(beta, step, device):
-    """``1 - beta**step`` the way torch's Adam computes it when Dynamo traces it: from the fp32
-    ``step`` tensor (``_get_value`` returns the tensor while compiling), i.e. in fp32, where
-    ``1 - 0.999`` is 1.3e-5 relatively off, with ``device``'s pow (CUDA's may differ by an ulp). That
-    rounding belongs to torch.optim, not to the formats under test, so the one-step reference
-    reproduces it."""
-    b = torch.tensor(beta, dtype=torch.float32, device=device) ** torch.tensor(step, dtype=torch.float32, device=device)
-    return 1 - b.double()
+def fp32_bias_correction(beta, step):
+    """``1 - beta**step`` as the flashoptim step computes it. torch's Adam, traced by Dynamo, takes
+    the power of the fp32 ``step`` tensor (``_get_value`` returns the tensor while compiling), so of
+    ``beta`` rounded to fp32, where ``1 - 0.999`` is 1.3e-5 relatively off: that rounding belongs to
+    torch.optim, not to the formats under test, so the reference reproduces it. The power itself is
+    the exact one rounded to fp32 (passes/fp64_step_powers.py computes it in fp64; torch's fp32 pow
+    may differ by an ulp, as CUDA's libdevice pow did at ``0.999 ** 1``)."""
+    power = torch.tensor(beta, dtype=torch.float32).double() ** step
+    return 1 - power.float().double()
 
 
 def ref_one_step(algo, h, p, g, states, step):
@@ -195,7 +196,7 @@ def ref_one_step(algo, h, p, g, states, step):
         if h["amsgrad"]:
             new["max_exp_avg_sq"] = torch.maximum(states["max_exp_avg_sq"], v)
             v = new["max_exp_avg_sq"]
-        bc1, bc2 = fp32_bias_correction(b1, step, p.device), fp32_bias_correction(b2, step, p.device)
+        bc1, bc2 = fp32_bias_correction(b1, step), fp32_bias_correction(b2, step)
         denom = v.sqrt() / bc2.sqrt() + h["eps"]
         p = p - lr / bc1 * new["exp_avg"] / denom
         size = size + lr / bc1 * m_size / denom

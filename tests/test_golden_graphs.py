@@ -19,14 +19,18 @@ from flash_inductor.pipeline import PassContext
 
 
 def rewritten_code(make_optimizer, stage):
+    return rewritten_stages(make_optimizer)[stage]
+
+
+def rewritten_stages(make_optimizer):
+    """{stage name: code} of the optimizer step's graph."""
     torch.manual_seed(0)
     model = nn.Linear(8, 4, bias=False)
     opt = make_optimizer(model.parameters())
     flash_inductor.prepare(model, opt, min_quantized_numel=0, compile_options={"compiler": "eager"})
     model(torch.randn(2, 8, dtype=torch.bfloat16)).sum().backward()
     report = flash_inductor.inspect(flash_inductor.compile(opt.step, compiler="eager"))
-    graph = report.graph("optimizer step")
-    return without_comments(next(s.code for s in graph.stages if s.name == stage))
+    return {s.name: without_comments(s.code) for s in report.graph("optimizer step").stages}
 
 
 def without_comments(code):
@@ -106,6 +110,23 @@ class GraphModule(torch.nn.Module):
         _set_grad_enabled_1 = torch._C._set_grad_enabled(True);  _set_grad_enabled_1 = None
         return ()""",
         )
+
+    def test_adamw_bias_corrections_take_step_powers_in_fp64(self):
+        """``beta ** step`` of AdamW's bias corrections, of the float betas rounded to fp32, in fp64.
+        Only those lines: the rest of the stock AdamW graph differs between torch versions."""
+        stages = rewritten_stages(lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01))
+        powers = {stage: "\n".join(line for line in stages[stage].splitlines() if "pow" in line)
+                  for stage in ("captured", "fp64_step_powers")}
+        self.assertExpectedInline(powers["captured"], """\
+        pow_1: "f32[1, 1]cpu" = 0.9 ** step_t_1
+        bias_correction1: "f32[1, 1]cpu" = 1 - pow_1;  pow_1 = None
+        pow_2: "f32[1, 1]cpu" = 0.999 ** step_t_1;  step_t_1 = None
+        bias_correction2: "f32[1, 1]cpu" = 1 - pow_2;  pow_2 = None""")
+        self.assertExpectedInline(powers["fp64_step_powers"], """\
+        pow_1: "f32[1, 1]cpu" = flash_inductor_passes_fp64_step_powers_pow_in_fp64(0.8999999761581421, step_t_1)
+        bias_correction1: "f32[1, 1]cpu" = 1 - pow_1;  pow_1 = None
+        pow_2: "f32[1, 1]cpu" = flash_inductor_passes_fp64_step_powers_pow_in_fp64(0.9990000128746033, step_t_1);  step_t_1 = None
+        bias_correction2: "f32[1, 1]cpu" = 1 - pow_2;  pow_2 = None""")
 
     def test_momentum_traced_as_nan_becomes_the_buckets_tensor(self):
         """SGDW's own update with Nesterov momentum: a factor (``mul_``) and an ``alpha``."""
