@@ -68,10 +68,12 @@ def make_params(shapes, dtype):
     return params
 
 
-def time_ms(fn):
+def time_ms(fn, warmup=50, rep=300):
+    """Median ms of ``fn`` (``triton.testing.do_bench``: CUDA events, L2 flushed between calls), after
+    ``warmup`` ms of calls, over ``rep`` ms of them."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def bench_torch_fused(shapes, dtype):
@@ -92,7 +94,8 @@ def bench_flashoptim_pypi(shapes):
     return {"ms": time_ms(opt.step), "compile_s": time.perf_counter() - t0}
 
 
-def bench_flashoptim(shapes, foreach, options, **prepare_kwargs):
+def prepared_flashoptim(shapes, foreach, options, **prepare_kwargs):
+    """Parameters of ``shapes`` (fp32, seeded) with bf16 gradients, prepared with an AdamW: (model, opt)."""
     params = make_params(shapes, torch.float32)
     model = torch.nn.ParameterList(params)
     grads = [p.grad.to(torch.bfloat16) for p in params]
@@ -101,6 +104,11 @@ def bench_flashoptim(shapes, foreach, options, **prepare_kwargs):
     flash_inductor.prepare(model, opt, compile_options=options, **prepare_kwargs)
     for p, g in zip(params, grads):
         p.grad = g
+    return model, opt
+
+
+def bench_flashoptim(shapes, foreach, options, **prepare_kwargs):
+    model, opt = prepared_flashoptim(shapes, foreach, options, **prepare_kwargs)
     t0 = time.perf_counter()
     opt.step()
     torch.cuda.synchronize()
@@ -118,9 +126,17 @@ def main():
                         help="comma list of torch_fused_fp32, torch_fused_bf16, flashoptim, flashoptim_inductor, "
                              "flashoptim_cudagraphs, flashoptim_combo, flashoptim_coordesc, flashoptim_tuned, "
                              "flashoptim_cppwrapper, flashoptim_exactdiv, flashoptim_bf16masters, flashoptim_fp32states, "
-                             "flashoptim_pypi (skipped when not installed), flashoptim_block{B}_warps{W} (the hand-written kernel "
-                             "with B groups of 32 per program and W warps)")
+                             "flashoptim_pypi (skipped when not installed), and the hand-written kernel launched with a given "
+                             "triton_adam.LaunchShape: flashoptim_block{B}_warps{W}[_vector{V}][_evict][_persist{K}][_stages{S}] "
+                             "(B groups of 32 per block, W warps, V contiguous elements per thread, evict-first loads and "
+                             "streaming stores, persistent with K programs per SM, S pipeline stages of its loop; parts "
+                             "in any order, those left out default, e.g. flashoptim_block32_warps2_vector8_evict_persist4_stages2)")
     args = parser.parse_args()
+    for name in set(args.configs.split(",")) - set(configs_for([])):  # before measuring anything
+        try:
+            kernel_launch_config(name, [])
+        except ValueError as e:
+            parser.error(str(e))
     bandwidth = measure_copy_bandwidth()
     info = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), copy_bandwidth_GBps=bandwidth / 1e9,
                 python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
@@ -128,31 +144,7 @@ def main():
     for list_name in args.lists.split(","):
         shapes = PARAM_LISTS[list_name] or gpt_1b_shapes()
         n = sum(torch.Size(s).numel() for s in shapes)
-        # The Inductor-compiled stock update with extra Inductor config patches.
-        inductor = lambda patches={}: bench_flashoptim(shapes, False, {"step_kernel": "inductor", "inductor": patches})  # noqa: E731,B006
-        configs = {
-            "torch_fused_fp32": lambda: bench_torch_fused(shapes, torch.float32),
-            "torch_fused_bf16": lambda: bench_torch_fused(shapes, torch.bfloat16),
-            # the default: AdamW buckets run flash_inductor/triton_adam.py's hand-written kernel
-            "flashoptim": lambda: bench_flashoptim(shapes, False, {}),
-            # the stock update traced and compiled by Inductor (the reference path; the default before)
-            "flashoptim_inductor": inductor,
-            "flashoptim_cudagraphs": lambda: inductor({"triton.cudagraphs": True}),
-            # exactly rounded fp32 divisions (the default until issue 13; now approximate)
-            "flashoptim_exactdiv": lambda: inductor({"eager_numerics.division_rounding": True}),
-            # kernels launched from a C++ wrapper instead of Inductor's Python one (less CPU per launch)
-            "flashoptim_cppwrapper": lambda: inductor({"cpp_wrapper": True}),
-            # Inductor's horizontal fusion of independent kernels (fewer launches)
-            "flashoptim_combo": lambda: inductor({"combo_kernels": True}),
-            # Inductor searches block sizes and warps per kernel by timing them
-            "flashoptim_coordesc": lambda: inductor({"coordinate_descent_tuning": True}),
-            # both: without launch overhead and with tuned kernels
-            "flashoptim_tuned": lambda: inductor({"coordinate_descent_tuning": True, "triton.cudagraphs": True}),
-            "flashoptim_pypi": lambda: bench_flashoptim_pypi(shapes),
-            # what the step's parts cost: without error terms (bf16 masters), with fp32 states (Inductor)
-            "flashoptim_bf16masters": lambda: bench_flashoptim(shapes, False, {}, master_weight_bits=None),
-            "flashoptim_fp32states": lambda: bench_flashoptim(shapes, False, {}, state_bits=None),
-        }
+        configs = configs_for(shapes)
         for name in args.configs.split(","):
             if name == "flashoptim_pypi" and importlib.util.find_spec("flashoptim") is None:
                 print("flashoptim package not installed: flashoptim_pypi skipped")
@@ -166,7 +158,7 @@ def main():
             row = dict(params=list_name, num_params=n, num_tensors=len(shapes), config=name, bytes_per_param=bpp,
                        achieved_GBps=n * bpp / (result["ms"] * 1e-3) / 1e9, floor_ms=floor_ms, **result)
             rows.append(row)
-            print(f"{list_name:14s} {name:38s} {result['ms']:8.3f} ms  {row['achieved_GBps']:7.0f} GB/s  "
+            print(f"{list_name:14s} {name:48s} {result['ms']:8.3f} ms  {row['achieved_GBps']:7.0f} GB/s  "
                   f"floor {floor_ms:.3f} ms  compile {result['compile_s']:.1f} s  "
                   f"kernels/step {result.get('kernel_launches', '-')}", flush=True)
             for kernel in result.get("kernels", []):
@@ -176,17 +168,48 @@ def main():
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s; wrote {args.out}")
 
 
+def configs_for(shapes):
+    """The named configurations (each a function that measures it) on the parameter list ``shapes``."""
+    # The Inductor-compiled stock update with extra Inductor config patches.
+    inductor = lambda patches={}: bench_flashoptim(shapes, False, {"step_kernel": "inductor", "inductor": patches})  # noqa: E731,B006
+    return {
+        "torch_fused_fp32": lambda: bench_torch_fused(shapes, torch.float32),
+        "torch_fused_bf16": lambda: bench_torch_fused(shapes, torch.bfloat16),
+        # the default: AdamW buckets run flash_inductor/triton_adam.py's hand-written kernel
+        "flashoptim": lambda: bench_flashoptim(shapes, False, {}),
+        # the stock update traced and compiled by Inductor (the reference path; the default before)
+        "flashoptim_inductor": inductor,
+        "flashoptim_cudagraphs": lambda: inductor({"triton.cudagraphs": True}),
+        # exactly rounded fp32 divisions (the default until issue 13; now approximate)
+        "flashoptim_exactdiv": lambda: inductor({"eager_numerics.division_rounding": True}),
+        # kernels launched from a C++ wrapper instead of Inductor's Python one (less CPU per launch)
+        "flashoptim_cppwrapper": lambda: inductor({"cpp_wrapper": True}),
+        # Inductor's horizontal fusion of independent kernels (fewer launches)
+        "flashoptim_combo": lambda: inductor({"combo_kernels": True}),
+        # Inductor searches block sizes and warps per kernel by timing them
+        "flashoptim_coordesc": lambda: inductor({"coordinate_descent_tuning": True}),
+        # both: without launch overhead and with tuned kernels
+        "flashoptim_tuned": lambda: inductor({"coordinate_descent_tuning": True, "triton.cudagraphs": True}),
+        "flashoptim_pypi": lambda: bench_flashoptim_pypi(shapes),
+        # what the step's parts cost: without error terms (bf16 masters), with fp32 states (Inductor)
+        "flashoptim_bf16masters": lambda: bench_flashoptim(shapes, False, {}, master_weight_bits=None),
+        "flashoptim_fp32states": lambda: bench_flashoptim(shapes, False, {}, state_bits=None),
+    }
+
+
 def kernel_launch_config(name, shapes):
-    """``flashoptim_block{B}_warps{W}``: the hand-written step with B groups of 32 per program, W warps."""
-    block, warps = (int(part.removeprefix(prefix)) for part, prefix in zip(name.split("_")[1:], ("block", "warps")))
+    """``flashoptim_{shape}``: the hand-written step launched as ``triton_adam.LaunchShape.from_name(shape)``."""
+    if not name.startswith("flashoptim_"):
+        raise ValueError(f"unknown config {name!r}")
+    shape = triton_adam.LaunchShape.from_name(name.removeprefix("flashoptim_"))
 
     def run():
-        saved = triton_adam.BLOCK_GROUPS, triton_adam.NUM_WARPS
-        triton_adam.BLOCK_GROUPS, triton_adam.NUM_WARPS = block, warps
+        saved = triton_adam.LAUNCH
+        triton_adam.LAUNCH = shape
         try:
             return bench_flashoptim(shapes, False, {})
         finally:
-            triton_adam.BLOCK_GROUPS, triton_adam.NUM_WARPS = saved
+            triton_adam.LAUNCH = saved
 
     return run
 

@@ -95,6 +95,17 @@ class Net(nn.Module):
         return self.fc2(self.norm(self.fc1(x)))
 
 
+def bits(t):
+    """A tensor's bits as integers (nan equals nan; float8 has no ``torch.equal`` for nan)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_bits(a, b):
+    """Two ``stored_bits`` dicts hold the same tensors, bit for bit."""
+    assert a.keys() == b.keys()
+    assert not [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(bits(a[k]), bits(b[k]))]
+
+
 def stored_bits(model, opt):
     """Every stored tensor of the training state, by name: parameters, error terms, and each
     optimizer state in its stored form (codes and scales, fp32 values, step counters). Of sharded

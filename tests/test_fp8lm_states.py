@@ -22,7 +22,7 @@ import flash_inductor
 from flash_inductor import roles
 from flash_inductor.formats import tensor_scaled
 from flash_inductor.formats.state_tensor import Fp32State, TensorScaledState
-from helpers import EAGER, Net, benchmark_module, one_thread, stored_bits
+from helpers import EAGER, Net, assert_same_bits, benchmark_module, bits, one_thread, stored_bits
 from reference import E4M3, FP16, ref_one_step, ref_round, ref_split_decode, ref_split_encode, ref_tensor_scaled_encode, ulp_log2
 
 pytestmark = [
@@ -30,11 +30,6 @@ pytestmark = [
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
 FORMATS = {torch.float8_e4m3fn: E4M3, torch.float16: FP16}
-
-
-def bits(t):
-    """A tensor's bits as integers (nan equals nan; float8 has no ``torch.equal`` for nan)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def ref_decode(codes, scale):
@@ -268,11 +263,6 @@ def roundtrip(obj):
     torch.save(obj, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
-
-
-def assert_same_bits(a, b):
-    assert a.keys() == b.keys()
-    assert not [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(bits(a[k]), bits(b[k]))]
 
 
 BATCHES = [torch.randn(8, 128, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(6)]

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import flash_inductor
 from flash_inductor import roles, triton_adam
-from helpers import stored_bits
+from helpers import assert_same_bits, stored_bits
 from test_optimizer_numerics import check_one_step_against_fp64_reference
 
 pytestmark = pytest.mark.gpu
@@ -190,6 +190,29 @@ def test_triton_step_agrees_with_inductor_step_and_skips_parameters_without_grad
                 if not a.is_floating_point() and not key.endswith(".error"):
                     assert (a.int() - bits["inductor"][key].int()).abs().max() <= 1, key
     assert all(triton_adam.ineligible(b, b.optimizer) is None for b in roles.PREPARED[runs["triton"][1]].buckets)
+
+
+# _kernel_runs has one bucket of ~8900 groups: with blocks of 8 and one program per SM each program loops over ~8 blocks
+@pytest.mark.parametrize("launch", ["block64_warps4_vector8", "block8_warps2_vector8_persist1_stages2",
+                                    "block32_warps2_vector16_evict_persist2_stages3", "block64_warps4_evict"])
+def test_triton_step_launch_shapes_store_the_same_bytes(launch, monkeypatch):
+    """A launch shape (triton_adam.LaunchShape) changes the speed only: from the same state and gradients
+    each step stores the same bytes as the default shape's, also with per-group step counts (a
+    parameter without gradient)."""
+    shape = triton_adam.LaunchShape.from_name(launch)
+    runs = [(triton_adam.LaunchShape(), *_kernel_runs("triton")), (shape, *_kernel_runs("triton"))]
+    for step in range(3):
+        grads = [torch.randn_like(p) * 1e-2 for p in runs[0][1].parameters()]
+        for launch_shape, model, opt in runs:
+            monkeypatch.setattr(triton_adam, "LAUNCH", launch_shape)
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+            if step == 2:
+                model[2].weight.grad = None
+            opt.step()
+            opt.zero_grad()
+        assert_same_bits(stored_bits(*runs[0][1:]), stored_bits(*runs[1][1:]))
+    assert roles.PREPARED[runs[1][2]].buckets[0].per_group
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

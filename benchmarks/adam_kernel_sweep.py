@@ -1,0 +1,140 @@
+"""Launch shapes of the hand-written AdamW kernel (flash_inductor/triton_adam.py), timed in one run (GPU).
+
+Each parameter list (optimizer_step.py's PARAM_LISTS, prepared as its ``flashoptim`` config) is
+built once. Then for each ``triton_adam.LaunchShape`` of the grid: the stored state is set back to
+the state saved before any step, one step runs with the shape (compiling it) and its stored bytes
+(weights, error terms, state codes and scales, step counts) are compared with those of one step of
+the default shape from the same state: a launch shape must not change a bit. Then ``opt.step()`` is
+timed (median, optimizer_step.time_ms) and the kernel's own time read from the profiler. One row per
+shape and list: ms, GB/s and % of the copy-bandwidth floor at 12.25 B/param (optimizer_step.py's
+bytes), identical yes/no; the JSON (--out) is written after every row, so a run cut short keeps what
+it measured. A shape that fails to compile or run prints its error and the sweep goes on.
+
+    python benchmarks/adam_kernel_sweep.py --lists 64x2048x2048,gpt2_124m --out adam_kernel_sweep.json
+    python benchmarks/adam_kernel_sweep.py --shapes block64_warps4,block32_warps4_vector8_persist8_stages2
+"""
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+from gpu_profile import kernel_times
+from optimizer_step import BYTES_PER_PARAM, PARAM_LISTS, gpt_1b_shapes, measure_copy_bandwidth, prepared_flashoptim, time_ms
+
+from flash_inductor import roles, triton_adam
+from flash_inductor.triton_adam import LaunchShape
+
+# Around the default (64 groups, 4 warps) and around block32_warps2, one or two knobs at a time; the
+# elements per thread are block / warps (16 for both): 8 halves the registers (sm_90 compiles: ~64
+# against ~120, twice the warps per SM), 32 doubles them.
+DEFAULT_GRID = [
+    "block64_warps4", "block64_warps4_vector8", "block64_warps4_vector16", "block64_warps4_evict",
+    "block64_warps4_vector8_evict", "block64_warps4_persist4", "block64_warps4_vector8_evict_persist2_stages3",
+    "block32_warps2", "block32_warps2_vector8", "block32_warps2_vector8_evict", "block32_warps2_vector8_persist4_stages2",
+    "block32_warps2_vector8_persist8_stages2",
+    "block16_warps2", "block16_warps2_vector8", "block32_warps4_vector8", "block64_warps8_vector8",
+    "block32_warps4_vector8_evict", "block32_warps4_vector8_persist8", "block32_warps4_vector8_persist8_stages2",
+    "block32_warps4_vector8_persist4_stages3", "block32_warps4_vector8_evict_persist8_stages2",
+    "block16_warps2_vector8_persist16_stages2", "block16_warps4_vector4", "block16_warps1_vector8",
+    "block128_warps8_vector8", "block64_warps2_vector8",
+]
+
+
+class PreparedList:
+    """A parameter list prepared once, the stored state before any step and one default step's bytes from it."""
+
+    def __init__(self, name):
+        shapes = PARAM_LISTS[name] or gpt_1b_shapes()
+        self.name, self.num_params = name, sum(torch.Size(s).numel() for s in shapes)
+        self.model, self.opt = prepared_flashoptim(shapes, False, {})
+        self.initial = [t.clone() for t in self.stored()]
+        self.step_from_initial(LaunchShape())
+        self.expected = [t.clone() for t in self.stored()]
+
+    def stored(self):
+        """Every tensor a step writes: weights, error terms, step counts, each state's codes and scales."""
+        tensors = []
+        for b in roles.PREPARED[self.opt].buckets:
+            tensors += [b.weights, b.errors, b.step] + [getattr(s, k) for s in b.states.values() for k in s._inner]
+        return [t for t in tensors if t is not None]
+
+    def step_from_initial(self, shape):
+        triton_adam.LAUNCH = shape
+        for t, saved in zip(self.stored(), self.initial):
+            t.copy_(saved)
+        self.opt.step()
+
+    def measure(self, shape, bandwidth):
+        t0 = time.perf_counter()
+        self.step_from_initial(shape)
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        identical = all(torch.equal(_bytes(t), _bytes(e)) for t, e in zip(self.stored(), self.expected))
+        ms = time_ms(self.opt.step, warmup=25, rep=150)
+        kernel_ms = sum(us for name, _, us in kernel_times(self.opt.step, top=100) if "_adam_kernel" in name) / 1e3
+        floor_ms = self.num_params * BYTES_PER_PARAM["flashoptim"] / bandwidth * 1e3
+        return dict(ms=ms, kernel_ms=kernel_ms, GBps=self.num_params * BYTES_PER_PARAM["flashoptim"] / ms / 1e6,
+                    floor_pct=100 * floor_ms / ms, identical=identical, first_step_s=first_s)
+
+
+def _bytes(t):
+    """The bytes of ``t`` (nan equals nan)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def row_text(row):
+    if "error" in row:
+        return f"{row['list']:14s} {row['shape']:48s} FAILED {row['error']}"
+    return (f"{row['list']:14s} {row['shape']:48s} {row['ms']:7.3f} ms  kernel {row['kernel_ms']:7.3f} ms  "
+            f"{row['GBps']:6.0f} GB/s  {row['floor_pct']:5.1f}% of floor  identical {'yes' if row['identical'] else 'NO'}"
+            f"  (first step {row['first_step_s']:.1f} s)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lists", default="64x2048x2048,gpt2_124m", help=f"comma list of {', '.join(PARAM_LISTS)}")
+    parser.add_argument("--shapes", default=",".join(DEFAULT_GRID),
+                        help="comma list of launch shapes block{B}_warps{W}[_vector{V}][_evict][_persist{K}][_stages{S}] "
+                             "(triton_adam.LaunchShape.from_name; default: a grid of %d)" % len(DEFAULT_GRID))
+    parser.add_argument("--out", default="adam_kernel_sweep.json")
+    parser.add_argument("--time-limit", type=float, default=170.0,
+                        help="seconds from the start after which no new shape is started (the summary still prints)")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    try:
+        shapes = [LaunchShape.from_name(name) for name in args.shapes.split(",")]
+    except ValueError as e:
+        parser.error(str(e))
+    bandwidth = measure_copy_bandwidth()
+    info = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), copy_bandwidth_GBps=bandwidth / 1e9,
+                bytes_per_param=BYTES_PER_PARAM["flashoptim"], date=time.strftime("%Y-%m-%d"))
+    lists = [PreparedList(name) for name in args.lists.split(",")]
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; lists prepared after {time.perf_counter() - start:.0f} s", flush=True)
+    rows = []
+    for shape in shapes:  # shapes outside, lists inside: a run cut short has every list for the shapes it did
+        if time.perf_counter() - start > args.time_limit:
+            print(f"time limit: {len(shapes) - shapes.index(shape)} shapes not run", flush=True)
+            break
+        for prepared in lists:
+            row = dict(list=prepared.name, shape=shape.name, launch=dataclasses.asdict(shape))
+            try:
+                row.update(prepared.measure(shape, bandwidth))
+            except Exception as e:  # a shape Triton cannot compile, or that runs out of resources
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            print(row_text(row), flush=True)
+            with open(args.out, "w") as f:
+                json.dump({"info": info, "rows": rows}, f, indent=1)
+    triton_adam.LAUNCH = LaunchShape()
+    for prepared in lists:
+        done = sorted((r for r in rows if r["list"] == prepared.name and "error" not in r), key=lambda r: r["ms"])
+        print(f"\nfastest on {prepared.name}:")
+        for row in done[:5]:
+            print(row_text(row))
+    print(f"\n{time.perf_counter() - start:.0f} s; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
