@@ -101,7 +101,14 @@ def main():
     parser.add_argument("--out", default="adam_kernel_sweep.json")
     parser.add_argument("--time-limit", type=float, default=170.0,
                         help="seconds from the start after which no new shape is started (the summary still prints)")
+    parser.add_argument("--fastest", metavar="JSON",
+                        help="print the optimizer_step.py config of the fastest identical shape of --list in a sweep's JSON, "
+                             "and exit (the default shape's when none beats it)")
+    parser.add_argument("--list", default="64x2048x2048", help="the list --fastest reads")
     args = parser.parse_args()
+    if args.fastest:
+        print(f"flashoptim_{fastest_shape(args.fastest, args.list)}")
+        return
     start = time.perf_counter()
     try:
         shapes = [LaunchShape.from_name(name) for name in args.shapes.split(",")]
@@ -134,6 +141,13 @@ def main():
         for row in done[:5]:
             print(row_text(row))
     print(f"\n{time.perf_counter() - start:.0f} s; wrote {args.out}")
+
+
+def fastest_shape(path, list_name):
+    """The name of the fastest shape of ``list_name`` in a sweep's JSON that stored the default's bytes."""
+    with open(path) as f:
+        rows = [r for r in json.load(f)["rows"] if r["list"] == list_name and r.get("identical") and "error" not in r]
+    return min(rows, key=lambda r: r["ms"])["shape"] if rows else LaunchShape().name
 
 
 if __name__ == "__main__":

@@ -45,6 +45,10 @@
 #              FP8 row again (lm_head excluded, transposes apart; merge with hfllama's JSON: --report-from), and
 #              HF GPT-2's baseline, flashoptim and FP8 rows, 300 steps
 #   hfllamapeers  the Llama's other rows: gradient release, FlashOptim 0.1.4, torchao float8
+#   launch13   issue 13/16: every GPU test of tests/test_gpu.py, the hand-written step's launch shapes
+#              (adam_kernel_sweep.py: bit-identical to the default, timed), then optimizer_step.py with the
+#              peers, the default and the sweep's fastest shape on 64 x 2048^2 (a shape per list)
+#   fp8lm1b2   issue 16/14: fp8lm1b's four rows in one run (no tests), then the Llama's torchao float8 row
 #   hfsnapshot issue 14: who holds the memory between steps, HF GPT-2 124M: baseline and flashoptim
 #   gptsnapshot   the same for our GPT (train_gpt.py's, 124m shape): flashoptim
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
@@ -203,6 +207,19 @@ case $stage in
     tail -4 "$out/gpu_tests_fp8_transpose_h200.log"
     logged hf_clients_llama_fp8_h200 270 hf_clients.py --model llama --configs flashoptim_fp8 --profile 3
     logged hf_clients_gpt2_h200 250 hf_clients.py --model gpt2 --configs baseline,flashoptim,flashoptim_fp8 --plot "$out"
+    ;;
+  launch13)
+    timeout 200 python -m pytest -v -m gpu tests/test_gpu.py 2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_launch13_h200.log"
+    tail -4 "$out/gpu_tests_launch13_h200.log"
+    logged adam_kernel_sweep_h200 200 adam_kernel_sweep.py --lists 64x2048x2048,gpt2_124m
+    fastest=$(python benchmarks/adam_kernel_sweep.py --fastest "$out/adam_kernel_sweep_h200.json" --list 64x2048x2048)
+    logged optimizer_step_launch13_h200 170 optimizer_step.py --lists 64x2048x2048,gpt2_124m \
+      --configs "torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_pypi,$fastest"
+    ;;
+  fp8lm1b2)
+    logged train_gpt_1b_fp8lm_h200 "${FP8LM_LIMIT:-300}" train_gpt.py --config 1b --steps 12 --warmup 4 --eval-every 12 \
+      --eval-batches 1 --configs flashoptim,flashoptim_fp8grads,flashoptim_fp8lm,flashoptim_fp8lm_fp8grads
+    logged hf_clients_llama_torchao_h200 250 hf_clients.py --model llama --configs torchao_float8
     ;;
   hfllamapeers)
     logged hf_clients_llama_more_h200 570 hf_clients.py --model llama \

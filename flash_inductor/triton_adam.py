@@ -252,15 +252,15 @@ def ineligible(bucket, optimizer):
 
 def step(bucket, optimizer):
     """One Adam/AdamW step of ``bucket`` (``ineligible`` said None), in place: the step counts of its
-    active groups advance, ``beta ** step`` of their bias corrections is computed as torch's eager
-    Adam does (fp32 pow on the device: libdevice's pow inside the kernel was an ulp off for 0.999 ** 1
-    on the H200, 3e-5 of the first updates; Inductor's step takes it in fp64,
-    passes/fp64_step_powers.py), then one kernel updates weights, error terms and states: three
-    launches."""
+    active groups advance, ``beta ** step`` of their bias corrections is computed in fp64 from the
+    fp32 betas and rounded to fp32 once, as Inductor's step takes it (passes/fp64_step_powers.py; an
+    fp32 pow is not correctly rounded everywhere: libdevice's inside the kernel was an ulp off for
+    0.999 ** 1 on the H200, 3e-5 of the first updates), then one kernel updates weights, error terms
+    and states: four launches."""
     group = optimizer.param_groups[0]
     lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
     bucket.step.add_(bucket.active)
-    beta_powers = torch.pow(_device_betas(beta1, beta2, bucket.step.device), bucket.step)
+    beta_powers = torch.pow(_device_betas(beta1, beta2, bucket.step.device), bucket.step.double()).float()
     m, v = bucket.states["exp_avg"], bucket.states["exp_avg_sq"]
     mantissa, bias = split_weights.mantissa_bits_and_bias(bucket.weights.dtype)
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
@@ -287,5 +287,6 @@ def _sm_count(device):
 
 @functools.lru_cache(maxsize=64)
 def _device_betas(beta1, beta2, device):
-    """``[[[beta1]], [[beta2]]]`` in fp32 on ``device``, made once per value (not a copy every step)."""
-    return torch.tensor([beta1, beta2], dtype=torch.float32, device=device).view(2, 1, 1)
+    """``[[[beta1]], [[beta2]]]`` rounded to fp32 (as torch takes a float beta against the fp32 step),
+    held in fp64 on ``device``, made once per value (not a copy every step)."""
+    return torch.tensor([beta1, beta2], dtype=torch.float32).double().to(device).view(2, 1, 1)
