@@ -142,12 +142,12 @@ if _compat.HAS_TRITON:
         # bias corrections 1 - beta ** step (fp32, as torch's eager Adam) folded into per-row or per-bucket
         # factors, so that each element costs one division
         if PER_GROUP:
-            power1 = _load(beta_powers + rows, row_ok, 0.0, EVICT)[:, None, None]
-            power2 = _load(beta_powers + num_groups + rows, row_ok, 0.0, EVICT)[:, None, None]
+            power1 = _load(beta_powers + rows, row_ok, 0.0, EVICT).to(tl.float32)[:, None, None]
+            power2 = _load(beta_powers + num_groups + rows, row_ok, 0.0, EVICT).to(tl.float32)[:, None, None]
             ok = row_ok & (_load(active + rows, row_ok, 0, EVICT) != 0)
         else:  # one step count for the bucket
-            power1 = tl.load(beta_powers)
-            power2 = tl.load(beta_powers + 1)
+            power1 = tl.load(beta_powers).to(tl.float32)
+            power2 = tl.load(beta_powers + 1).to(tl.float32)
             ok = row_ok
         step_size = lr / (1 - power1)
         inverse_root_correction2 = 1 / tl.sqrt_rn(1 - power2)
@@ -255,12 +255,12 @@ def step(bucket, optimizer):
     active groups advance, ``beta ** step`` of their bias corrections is computed in fp64 from the
     fp32 betas and rounded to fp32 once, as Inductor's step takes it (passes/fp64_step_powers.py; an
     fp32 pow is not correctly rounded everywhere: libdevice's inside the kernel was an ulp off for
-    0.999 ** 1 on the H200, 3e-5 of the first updates), then one kernel updates weights, error terms
-    and states: four launches."""
+    0.999 ** 1 on the H200, 3e-5 of the first updates; the kernel rounds them), then one kernel updates
+    weights, error terms and states: three launches."""
     group = optimizer.param_groups[0]
     lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
     bucket.step.add_(bucket.active)
-    beta_powers = torch.pow(_device_betas(beta1, beta2, bucket.step.device), bucket.step.double()).float()
+    beta_powers = torch.pow(_device_betas(beta1, beta2, bucket.step.device), bucket.step)  # fp64: the kernel rounds
     m, v = bucket.states["exp_avg"], bucket.states["exp_avg_sq"]
     mantissa, bias = split_weights.mantissa_bits_and_bias(bucket.weights.dtype)
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))

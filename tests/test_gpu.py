@@ -183,8 +183,13 @@ def test_triton_step_agrees_with_inductor_step_and_skips_parameters_without_grad
                 # one code step; without error terms two bf16 ulps: the stock update on bf16 parameters rounds
                 # after each in-place op (weight decay, then the step), the kernel once
                 code_step = torch.finfo(torch.bfloat16).eps * p.detach().double().abs() * (1 / 254 if master_weight_bits else 2)
-                tol = code_step + 4 * torch.finfo(torch.float32).eps * masters["inductor"][name].double().abs()
-                assert ((masters["triton"][name].double() - masters["inductor"][name].double()).abs() <= tol).all(), name
+                # near zero a master's own resolution is below the update's (about lr at step 0): the two
+                # steps round the update apart by an fp32 ulp of it, and bf16 masters by a bf16 ulp
+                update_rounding = LR * (4 * torch.finfo(torch.float32).eps if master_weight_bits else torch.finfo(torch.bfloat16).eps)
+                tol = code_step + 4 * torch.finfo(torch.float32).eps * masters["inductor"][name].double().abs() + update_rounding
+                difference = (masters["triton"][name].double() - masters["inductor"][name].double()).abs()
+                excess = difference - tol
+                assert (excess <= 0).all(), (name, int((excess > 0).sum()), difference.numel(), float(excess.max() / LR))
             bits = {k: stored_bits(*r) for k, r in runs.items()}
             for key, a in bits["triton"].items():
                 if not a.is_floating_point() and not key.endswith(".error"):
