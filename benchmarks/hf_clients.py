@@ -15,6 +15,8 @@ Configurations (``--configs``):
     baseline            fp32 params, torch AdamW (fused on CUDA), bf16 autocast
     flashoptim          @flash_inductor.train_step: bf16 + 24-bit split masters, 8-bit states
     flashoptim_fp8      flashoptim + FP8 (tensorwise) linears; embeddings and lm_head excluded
+    flashoptim_fp8_fp32states  flashoptim_fp8 with fp32 optimizer states (state_bits=None): an ablation
+                        of FP8's loss gap
     flashoptim_release  flashoptim with gradient release (no clipping: it cannot clip globally)
     flashoptim_pypi     peer: the ``flashoptim`` package's FlashAdamW (24-bit) on a bf16 model
                         (its cast_model); CUDA only
@@ -205,11 +207,15 @@ def build_flashoptim(model, args, gradient_release=False, **options):
     return Setup(model, opt, step, record_fp8="fp8" in options), clip
 
 
-def build_flashoptim_fp8(model, args):
+def build_flashoptim_fp8(model, args, **prepare_args):
     # A smaller model's weights are all under the backend's fp8_min_weight_numel: there, every eligible one.
     every_eligible = {"fp8_min_weight_numel": 0} if args.size != "full" else {}
     excluded = FP8_EXCLUDE[args.model] + tuple(args.fp8_exclude or ())
-    return build_flashoptim(model, args, fp8="tensorwise", fp8_exclude=excluded, **every_eligible)
+    return build_flashoptim(model, args, fp8="tensorwise", fp8_exclude=excluded, **every_eligible, **prepare_args)
+
+
+def build_flashoptim_fp8_fp32states(model, args):
+    return build_flashoptim_fp8(model, args, state_bits=None)
 
 
 def build_flashoptim_release(model, args):
@@ -254,6 +260,7 @@ CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args
     "baseline": build_baseline,
     "flashoptim": build_flashoptim,
     "flashoptim_fp8": build_flashoptim_fp8,
+    "flashoptim_fp8_fp32states": build_flashoptim_fp8_fp32states,
     "flashoptim_release": build_flashoptim_release,
     "flashoptim_pypi": build_flashoptim_pypi,
     "torchao_float8": build_torchao_float8,
