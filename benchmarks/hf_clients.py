@@ -13,6 +13,8 @@ bytes (train_gpt.py's corpus); a byte is its token id (every vocabulary here has
 
 Configurations (``--configs``):
     baseline            fp32 params, torch AdamW (fused on CUDA), bf16 autocast
+    baseline_fp8        baseline with our FP8 linears (the backend's pass, no prepare): torchao_float8's
+                        setup with our rewrite, an ablation of FP8's loss gap
     flashoptim          @flash_inductor.train_step: bf16 + 24-bit split masters, 8-bit states
     flashoptim_fp8      flashoptim + FP8 (tensorwise) linears; embeddings and lm_head excluded
     flashoptim_fp8_fp32states  flashoptim_fp8 with fp32 optimizer states (state_bits=None): an ablation
@@ -207,15 +209,29 @@ def build_flashoptim(model, args, gradient_release=False, **options):
     return Setup(model, opt, step, record_fp8="fp8" in options), clip
 
 
-def build_flashoptim_fp8(model, args, **prepare_args):
-    # A smaller model's weights are all under the backend's fp8_min_weight_numel: there, every eligible one.
+def fp8_options(args):
+    """Our FP8 linears as the flashoptim_fp8 rows take them: tensorwise, ``FP8_EXCLUDE`` and --fp8-exclude
+    left out; a smaller model's weights are all under the backend's fp8_min_weight_numel: there, every
+    eligible one."""
     every_eligible = {"fp8_min_weight_numel": 0} if args.size != "full" else {}
-    excluded = FP8_EXCLUDE[args.model] + tuple(args.fp8_exclude or ())
-    return build_flashoptim(model, args, fp8="tensorwise", fp8_exclude=excluded, **every_eligible, **prepare_args)
+    return dict(fp8="tensorwise", fp8_exclude=FP8_EXCLUDE[args.model] + tuple(args.fp8_exclude or ()), **every_eligible)
+
+
+def build_flashoptim_fp8(model, args, **prepare_args):
+    return build_flashoptim(model, args, **fp8_options(args), **prepare_args)
 
 
 def build_flashoptim_fp8_fp32states(model, args):
     return build_flashoptim_fp8(model, args, state_bits=None)
+
+
+def build_baseline_fp8(model, args):
+    """The baseline with our FP8 linears (the backend's FP8 pass, no ``prepare``): torchao_float8's setup
+    with our rewrite in place of torchao's module swap."""
+    opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=args.device.startswith("cuda"))
+    loss = flash_inductor.compile(loss_function(model, True), **fp8_options(args))
+    step = make_step(loss, model.parameters(), opt, args.clip)
+    return Setup(model, opt, step, autocast=True, record_fp8=True), args.clip
 
 
 def build_flashoptim_release(model, args):
@@ -258,6 +274,7 @@ def build_torchao_float8(model, args):
 
 CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args) -> (Setup, clip norm or 0)
     "baseline": build_baseline,
+    "baseline_fp8": build_baseline_fp8,
     "flashoptim": build_flashoptim,
     "flashoptim_fp8": build_flashoptim_fp8,
     "flashoptim_fp8_fp32states": build_flashoptim_fp8_fp32states,
