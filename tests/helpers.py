@@ -95,6 +95,11 @@ class Net(nn.Module):
         return self.fc2(self.norm(self.fc1(x)))
 
 
+def decisions_of(report, kind="model"):
+    """{subject: decision} of the ``kind`` graph of an inspection report (every pass's decisions)."""
+    return {subject: decision for _, subject, decision in report.graph(kind).decisions}
+
+
 def bits(t):
     """A tensor's bits as integers (nan equals nan; float8 has no ``torch.equal`` for nan)."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])

@@ -18,7 +18,7 @@ from flash_inductor.demo import TinyGPT, lm_train_step
 from flash_inductor.fp8_delayed import KEYS, buffer_name
 from flash_inductor.fp8_linear import fp8_linear
 from flash_inductor.options import Options
-from helpers import EAGER
+from helpers import EAGER, decisions_of
 
 pytestmark = pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
 
@@ -291,7 +291,7 @@ def test_inspection_shows_each_decision_and_unprepared_layers_warn(fresh_dynamo)
     fn = flash_inductor.compile(model.forward, **dict(OPTIONS, **EAGER, fp8_min_weight_numel=1024))
     with pytest.warns(UserWarning, match=r"'proj' has no delayed-scaling state, so it stays in bf16; call flash_inductor"):
         report = flash_inductor.inspect(fn, torch.randn(4, 64))
-    decisions = {subject: decision for _, subject, decision in report.graph("model").decisions}
+    decisions = decisions_of(report)
     assert decisions == {
         "fc.weight": "fp8 e4m3/e5m2, delayed scaling",
         "small.weight": "bf16: weight 16x32 is under fp8_min_weight_numel=1024",
@@ -322,7 +322,7 @@ def test_train_step_prepares_the_state_and_trains(fresh_dynamo):
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
     report = flash_inductor.inspect(step, tokens[:, :-1], tokens[:, 1:])
     losses = [step(tokens[:, :-1], tokens[:, 1:]).item() for _ in range(L + 1)]
-    decisions = {subject: decision for _, subject, decision in report.graph("model").decisions}
+    decisions = decisions_of(report)
     fp8_layers = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "head"]
     assert decisions == {
         **{f"{name}.weight": "fp8 e4m3/e5m2, delayed scaling" for name in fp8_layers},

@@ -12,7 +12,7 @@ import flash_inductor
 from flash_inductor import fp8_linear
 from flash_inductor.demo import TinyGPT, lm_train_step
 from flash_inductor.formats import fp8
-from helpers import EAGER
+from helpers import EAGER, decisions_of
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -36,7 +36,7 @@ def test_eligible_linears_are_rewritten_and_every_decision_is_reported():
                    fp8_filter=lambda name: name != "body.2")
     report = flash_inductor.inspect(flash_inductor.compile(model, **options), torch.randn(4, 64))
     graph = report.graph("model")
-    decisions = {subject: decision for _, subject, decision in graph.decisions}
+    decisions = decisions_of(report)
     assert decisions == {
         "first.weight": "bf16: excluded by fp8_exclude ['first']",
         "body.0.weight": "fp8 e4m3/e5m2",
@@ -68,7 +68,7 @@ def test_a_model_captured_by_the_step_is_named_as_its_parameters(wrap):
 
     options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0, fp8_exclude=["first", "body.*"])
     report = flash_inductor.inspect(flash_inductor.compile(step, **options), torch.randn(4, 64))
-    decisions = {subject: decision for _, subject, decision in report.graph("model").decisions}
+    decisions = decisions_of(report)
     assert decisions == {
         "first.weight": "bf16: excluded by fp8_exclude ['first', 'body.*']",
         "body.0.weight": "bf16: excluded by fp8_exclude ['first', 'body.*']",
