@@ -12,6 +12,10 @@ from torch.torch_version import TorchVersion
 TORCH_VERSION = TorchVersion(torch.__version__)
 # CPU builds of torch come without Triton (flash_inductor/triton_adam.py needs it).
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# torch 2.11's Dynamo traces ``x.add_(y, alpha=a)`` with a number ``a`` as ``x.add_(torch.mul(y, a))``;
+# torch >= 2.12 keeps a number ``alpha`` and splits only a tensor one (pytorch #176799). A step with
+# such an ``add_`` (SGDW's momentum, Lion's update) holds one node more on 2.11, captured and rewritten.
+DYNAMO_SPLITS_NUMBER_ALPHA = TORCH_VERSION < "2.12"
 
 
 def inductor_patches_for_rewritten_graphs():
