@@ -23,7 +23,7 @@ Configurations (``--configs``):
     flashoptim_pypi     peer: the ``flashoptim`` package's FlashAdamW (24-bit) on a bf16 model
                         (its cast_model); CUDA only
     torchao_float8      peer: torchao's convert_to_float8_training (lm_head excluded), fp32
-                        masters, fused AdamW, bf16 autocast; CUDA only
+                        masters, fused AdamW, bf16 autocast; off CUDA its emulated GEMMs
 The flashoptim rows compile the whole step (train_step); the others compile the forward and the
 loss (``torch.compile``, Inductor) and run backward, clipping and the optimizer step eagerly.
 Peers are skipped with a note when their package is missing or does not apply. Every row: AdamW
@@ -116,13 +116,30 @@ DEFAULTS = {
 FP8_EXCLUDE = {"gpt2": ("transformer.wte", "lm_head"), "llama": ("lm_head",), "gpt": ("tok_embed", "pos_embed", "lm_head")}
 
 
-def model_config(name, size, seq):
+# --attention is_causal: transformers' SDPA attention under a name without a mask function, so that it
+# builds no mask and SDPA takes is_causal=True (flash attention), as transformers itself does outside
+# Dynamo. Under Dynamo, before torch 2.14, transformers keeps the explicit causal mask
+# (masking_utils._ignore_causal_mask_sdpa), which SDPA's flash kernel cannot take. Only for batches
+# without padding (these benchmarks have none).
+CAUSAL_SDPA = "sdpa_is_causal"
+
+
+def attention_implementation(attention):
+    if attention == "mask":
+        return "sdpa"
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    transformers.AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    return CAUSAL_SDPA
+
+
+def model_config(name, size, seq, attention="mask"):
     """The model's config: a transformers config, or train_gpt's GPTConfig for ``gpt``."""
     if name == "gpt":
         return dataclasses.replace(GPT_SIZES["124m" if size == "full" else "tiny"][0], seq=seq)
     if transformers is None:
         raise SystemExit(f"--model {name} needs transformers (pip install -e '.[clients]')")
-    common = dict(use_cache=False, attn_implementation="sdpa")
+    common = dict(use_cache=False, attn_implementation=attention_implementation(attention))
     if name == "gpt2":
         shape = {} if size == "full" else dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
         return transformers.GPT2Config(**shape, n_positions=max(seq, 1024 if size == "full" else seq),
@@ -253,11 +270,9 @@ def build_flashoptim_pypi(model, args):
 
 def build_torchao_float8(model, args):
     try:
-        from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
         raise Skip(f"torchao.float8 not importable ({e})") from None
-    if not args.device.startswith("cuda"):
-        raise Skip("torchao float8 training needs a CUDA GPU with FP8 tensor cores (sm_89+)")
     excluded = FP8_EXCLUDE[args.model]
 
     def eligible(module, name):
@@ -266,8 +281,11 @@ def build_torchao_float8(model, args):
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and eligible(m, n)]
     if not linears:
         raise Skip("no nn.Linear to convert (GPT-2's projections are transformers' Conv1D, which torchao does not convert)")
-    convert_to_float8_training(model, module_filter_fn=eligible)
-    opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=True)
+    # Off CUDA, torchao emulates its FP8 GEMMs (same casts and scales, fp32 matmuls): the CPU comparison of
+    # the two FP8 recipes' numerics.
+    config = Float8LinearConfig(emulate=not args.device.startswith("cuda"))
+    convert_to_float8_training(model, config=config, module_filter_fn=eligible)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=args.device.startswith("cuda"))
     step = make_step(compiled(loss_function(model, True), args), model.parameters(), opt, args.clip)
     return Setup(model, opt, step, autocast=True, memory=peer_memory), args.clip
 
@@ -541,6 +559,9 @@ def parse_args(argv):
                         help="small (llama only), tiny: CPU-sized models of the same kind")
     parser.add_argument("--fp8-exclude", nargs="+", metavar="PATTERN",
                         help="more fp8_exclude patterns for flashoptim_fp8 (an ablation: e.g. '*.mlp.*')")
+    parser.add_argument("--attention", choices=("mask", "is_causal"), default="mask",
+                        help="transformers models' SDPA: mask (as transformers runs it under torch.compile before torch "
+                             "2.14: an explicit causal mask) or is_causal (no mask: SDPA's flash kernel)")
     parser.add_argument("--configs", default=",".join(CONFIGURATIONS), help=f"comma list of {', '.join(CONFIGURATIONS)}")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=10, help="steps before the timed, steady-state ones")
@@ -577,7 +598,7 @@ def parse_args(argv):
     args.lr_warmup = args.lr_warmup or max(1, args.steps // 10)
     args.plot_prefix = f"hf_{args.model}_" if args.plot_prefix is None else args.plot_prefix
     if not args.report_from:
-        args.config = model_config(args.model, args.size, args.seq)
+        args.config = model_config(args.model, args.size, args.seq, args.attention)
     return args
 
 
@@ -625,7 +646,7 @@ def main(argv=None):
     corpus.train = corpus.train.to(device)
     with torch.device("meta"):
         num_params = sum(p.numel() for p in build_model(args.model, args.config).parameters())
-    info = dict(model=args.model, size=args.size, num_params=num_params, vocab=vocab_size(args.model, args.config),
+    info = dict(model=args.model, size=args.size, attention=args.attention, num_params=num_params, vocab=vocab_size(args.model, args.config),
                 batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, lr_warmup=args.lr_warmup,
                 clip=args.clip, seed=args.seed, no_inductor=args.no_inductor, torch=torch.__version__,
                 transformers=None if transformers is None else transformers.__version__, python=platform.python_version(),

@@ -180,3 +180,22 @@ def test_plots_or_a_note_without_matplotlib(bench, tmp_path, monkeypatch, capsys
     pytest.importorskip("matplotlib")
     paths = bench.save_plots(results, tmp_path, "x_")
     assert sorted(p.name for p in paths) == ["x_loss.png", "x_memory.png"] and all(p.stat().st_size > 0 for p in paths)
+
+
+@pytest.mark.parametrize("attention, masked", [("mask", True), ("is_causal", False)])
+def test_attention_option_decides_whether_compiled_sdpa_gets_a_mask(bench, fresh_dynamo, attention, masked):
+    """Under Dynamo transformers hands SDPA an explicit causal mask (before torch 2.14); ``--attention
+    is_causal`` hands it none and ``is_causal=True``: the same attention, the same loss."""
+    torch.manual_seed(0)
+    model = bench.build_model("llama", bench.model_config("llama", "tiny", 32, attention))
+    x = torch.randint(0, 256, (2, 32))
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.extend(n.kwargs for n in gm.graph.nodes if n.target is torch._C._nn.scaled_dot_product_attention)
+        return gm
+
+    loss = torch.compile(lambda x: bench.lm_loss(model, x, x), backend=backend)(x)
+    assert len(calls) == 2  # one per layer
+    assert all((kw.get("attn_mask") is not None, bool(kw.get("is_causal"))) == (masked, not masked) for kw in calls)
+    torch.testing.assert_close(loss, bench.lm_loss(model, x, x), rtol=1e-6, atol=0)
