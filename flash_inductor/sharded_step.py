@@ -32,7 +32,8 @@ class LocalOptimizer:
         opt = object.__new__(type(outer))
         groups = [dict(g, params=[local(p) for p in g["params"]]) for g in outer.param_groups]
         torch.optim.Optimizer.__init__(opt, groups, outer.defaults)
-        roles.PREPARED[opt] = dataclasses.replace(record, optimizer_ref=weakref.ref(opt), error_terms={}, param_names={})
+        roles.PREPARED[opt] = dataclasses.replace(record, optimizer_ref=weakref.ref(opt), error_terms={}, param_names={},
+                                                  internal=True)
         return cls(weakref.ref(outer), opt)
 
     def sync(self):
