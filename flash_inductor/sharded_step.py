@@ -48,12 +48,6 @@ class LocalOptimizer:
             self._sync_hyperparameters(group_index)
             self.optimizer.param_groups[group_index]["params"] = [self._sync_param(p) for p in group["params"]]
 
-    def sync_one(self, p, group_index):
-        """Like ``sync``, for one parameter ``p`` of the sharded optimizer's group ``group_index``
-        (gradient release updates one at a time); returns its current local tensor."""
-        self._sync_hyperparameters(group_index)
-        return self._sync_param(p)
-
     def _sync_hyperparameters(self, group_index):
         group = self.outer_ref().param_groups[group_index]
         self.optimizer.param_groups[group_index].update({k: v for k, v in group.items() if k != "params"})
