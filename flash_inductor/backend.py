@@ -77,9 +77,9 @@ def inspect(fn, *args, **kwargs):
     torch._dynamo.reset()
     with inspection.collecting(report):
         target(*args, **kwargs)
-    # The user's optimizers, not the bucket optimizers their flat steps run (flash_inductor/flat.py).
+    # The user's optimizers, not the optimizers their steps run (buckets, local shards, gradient release).
     report.memory = [memory.memory_report(None, opt) for opt, record in list(roles.PREPARED.items())
-                     if record.active_groups is None]
+                     if not record.internal]
     return report
 
 

@@ -554,6 +554,7 @@ def _bucket_optimizer(optimizer, record, bucket):
         active_groups=bucket.active,
         bound_hyperparameter=bucket.bound,
         fp8_gradients=bucket.fp8_grads,
+        internal=True,
     )
     return proxy
 

@@ -9,13 +9,17 @@ Only the gradients of the layer being differentiated are alive at a time instead
 at the end of backward, so peak memory drops by about the gradient bytes (AdamW with 24-bit
 masters: 7.1 -> 5.1 bytes/param, DESIGN.md §2.3).
 
-Each parameter gets a single-parameter optimizer: the optimizer's class, built the way unpickling
-builds one, whose one param group holds the parameter and, before each update, the current
-hyperparameters of the parameter's group (the same ``lr`` tensor, so LR schedulers keep working),
-and whose state is the parameter's entry of the optimizer's state (also after a
-``load_state_dict``). Dynamo compiles one step per parameter (it guards on the optimizer object
-and its tensors); parameters of one shape and dtype give the same graph, which Inductor's FX graph
-cache compiles once.
+The step runs on a single-parameter optimizer: the optimizer's class, built the way unpickling
+builds one, whose one param group holds, before each update, the current hyperparameters of the
+parameter's group (the same ``lr`` tensor, so LR schedulers keep working). Its parameter, error
+term and states are *windows*: tensor objects of its own that are pointed (``Tensor.set_``) at the
+updated parameter's tensors before the call, so its updates write the parameter's slices of the
+flat storage, and its state is the parameter's entry of the optimizer's state (also after a
+``load_state_dict``). Parameters whose stored tensors are laid out alike (same group, dtype, shape
+and state formats: ``layout_key``) share one such optimizer and one compiled step: Dynamo guards
+the step on the identity and shapes of the optimizer's tensors, and the windows change their
+storage, not their objects. A model compiles one step per layout, not per parameter: the 16-layer
+Llama of docs/benchmarks.md has 5 layouts for its 147 tensors (one step per tensor took 375 s there).
 
 ``optimizer.step()`` updates nothing: it marks the end of a training step (a closure passed to it
 is still evaluated), and so does ``optimizer.zero_grad()``. Refused with an error naming the fix:
@@ -30,19 +34,21 @@ gradients, clips nothing and returns 0. Optimizer step hooks (``register_step_pr
 run.
 
 Under FSDP2 the hooks fire on each sharded (DTensor) parameter once its gradient shard is
-reduce-scattered; the update runs on the local shard through the sharded optimizer's local
-optimizer (``flash_inductor/sharded.py``), one parameter at a time, like the sharded step.
+reduce-scattered; the windows are pointed at the local shard's tensors (FSDP2 may replace them:
+they are looked up at every update), one parameter at a time, like the sharded step.
 """
 
 import collections
+import dataclasses
 import types
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from flash_inductor import checks, roles, sharded, sharded_step
+from flash_inductor import checks, roles, sharded
 from flash_inductor.backend import compile as compile_with_backend
+from flash_inductor.formats.state_tensor import StateTensor
 from flash_inductor.steps import evaluate_closure, run_compiled_step
 
 OPTION = "prepare(..., gradient_release=True)"
@@ -60,53 +66,108 @@ def check_model(model):
 
 
 class SingleParameterStep:
-    """The optimizer's step on one parameter, compiled through the backend (for a sharded parameter:
-    on its local shard, through the local optimizer)."""
+    """The optimizer's step on one parameter at a time, compiled once for every parameter of one
+    layout (``layout_key``): a single-parameter optimizer of the optimizer's class (built the way
+    unpickling builds one) over *window* tensors of its own, which ``point_at`` makes views of a
+    parameter's tensors (value, error term, each state's stored tensors, step count) before a call.
 
-    def __init__(self, optimizer, group_index, param, compile_options):
-        self.group_index = group_index
-        self.param = param
+    Dynamo guards a step on the identity of the optimizer's tensors (it marks them static
+    addresses: ID_MATCH) and on their shapes; the passes bind the error term that belongs to the
+    optimizer's parameter. Both hold for every call: the window objects stay the same, only the
+    storage they view changes (``Tensor.set_``)."""
+
+    def __init__(self, optimizer, record, group_index, param, error, state, compile_options):
+        self.param = _window(param)
+        self.error = None if error is None else _window(error)
+        self.state = {key: _window(value) for key, value in state.items()}
+        self.windows = _stored_tensors(self.param, self.error, self.state)
         self.optimizer = type(optimizer).__new__(type(optimizer))
-        self.optimizer.__setstate__(
-            {"defaults": optimizer.defaults, "state": collections.defaultdict(dict), "param_groups": [{"params": []}]}
-        )
+        self.optimizer.__setstate__({
+            "defaults": optimizer.defaults,
+            "state": collections.defaultdict(dict, {self.param: self.state}),
+            "param_groups": [{"params": [self.param]}],
+        })
         self.optimizer._warned_capturable_if_run_uncaptured = True
-        self.sync(optimizer)
+        shape = "x".join(map(str, param.shape)) or "scalar"
+        roles.PREPARED[self.optimizer] = dataclasses.replace(
+            record,
+            optimizer_ref=weakref.ref(self.optimizer),
+            error_terms={} if error is None else {self.param: self.error},
+            param_names={self.param: f"group{group_index}_{str(param.dtype).removeprefix('torch.')}_{shape}"},
+            gradient_release=None,
+            buckets=[],
+            internal=True,
+        )
         self.compiled = compile_with_backend(self.optimizer.step, **compile_options)
 
-    def sync(self, optimizer):
-        """Take the current hyperparameters and state of the parameter in ``optimizer``."""
-        group = self.optimizer.param_groups[0]
-        group.update(optimizer.param_groups[self.group_index])
-        group["params"] = [self.param]
-        self.optimizer.state[self.param] = optimizer.state[self.param]
-        return group
+    def point_at(self, group, param, error, state, grad):
+        """Make the windows views of ``param``'s tensors, with the hyperparameters ``group`` holds
+        now (the same ``lr`` tensor: LR schedulers keep working) and ``grad`` as the gradient."""
+        self.optimizer.param_groups[0].update(group)
+        for window, tensor in zip(self.windows, _stored_tensors(param, error, state), strict=True):
+            window.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        self.param.grad = grad
+
+    def release(self):
+        """Let go of the gradient and of the storage the windows viewed."""
+        self.param.grad = None
+        for window in self.windows:
+            window.set_()
+
+
+def layout_key(group_index, param, error, state):
+    """What a parameter's step is compiled for: its group (float hyperparameters are constants of
+    the step) and the layout of each stored tensor; parameters of equal keys share one step."""
+    return group_index, _layout(param), None if error is None else _layout(error), tuple(
+        (key, _layout(value)) for key, value in state.items())
+
+
+def _layout(t):
+    if isinstance(t, StateTensor):
+        return type(t), t._meta(), tuple(t.shape), t.dtype, tuple(_layout(inner) for inner in _stored(t))
+    # Inductor assumes a static input that was aligned when compiled stays aligned (its note "Input
+    # Alignment handling"; no runtime check on GPUs), so aligned and unaligned views compile apart.
+    # The CPU code assumes nothing.
+    aligned = t.device.type == "cpu" or t.data_ptr() % 16 == 0
+    return tuple(t.shape), t.stride(), t.dtype, t.device, aligned
+
+
+def _stored(t):
+    """The tensors that hold ``t``: a StateTensor's inner tensors, or ``t`` itself."""
+    return [getattr(t, key) for key in t._inner] if isinstance(t, StateTensor) else [t]
+
+
+def _stored_tensors(param, error, state):
+    """Every tensor that holds a parameter's training state, in an order its layout fixes."""
+    return [param, *([] if error is None else [error]), *(t for value in state.values() for t in _stored(value))]
+
+
+def _window(t):
+    """A tensor object (or StateTensor of window objects) to be pointed at tensors laid out like ``t``."""
+    if isinstance(t, StateTensor):
+        return t._rebuild(_window)
+    return torch.empty(0, dtype=t.dtype, device=t.device)
 
 
 class GradientRelease:
-    """The single-parameter steps of one prepared optimizer and the step boundary they share."""
+    """The compiled steps of one prepared optimizer's parameters and the step boundary they share."""
 
     def __init__(self, optimizer, record, compile_options):
         self.optimizer_ref = weakref.ref(optimizer)
         self.record = record
         self.compile_options = compile_options
-        self.optimizers = {}  # param -> SingleParameterStep
+        self.steps = {}  # layout_key -> SingleParameterStep
         self.group_index = {}  # param -> index of its group
         self.updated = set()  # ids of parameters updated since the last step() / zero_grad()
-        self.local_optimizer = None  # sharded_step.LocalOptimizer, for FSDP2 parameters
 
     @classmethod
     def install(cls, optimizer, record, compile_options):
         release = cls(optimizer, record, compile_options)
-        if any(sharded.is_sharded(p) for p in record.params()):
-            release.local_optimizer = sharded_step.LocalOptimizer.build(optimizer, record)
         handles = []
         for group_index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if p.requires_grad:
                     release.group_index[p] = group_index
-                    if release.local_optimizer is None:
-                        release.optimizers[p] = SingleParameterStep(optimizer, group_index, p, compile_options)
                     handles.append(p.register_post_accumulate_grad_hook(release.update))
         # The hooks live on the parameters, which may outlive the optimizer.
         weakref.finalize(optimizer, lambda: [h.remove() for h in handles])
@@ -125,7 +186,9 @@ class GradientRelease:
     # the hook runs as Python, and compiles only the step.
     @torch.compiler.disable
     def update(self, param):
-        """Post-accumulate-grad hook: update ``param`` with its gradient, then free the gradient."""
+        """Post-accumulate-grad hook: update ``param`` with its gradient, then free the gradient.
+        A sharded (FSDP2) parameter is updated on its local shard: its local tensors are what the
+        step's windows view."""
         optimizer = self.optimizer_ref()
         name = self.record.param_names.get(param, "?")
         if id(param) in self.updated:
@@ -142,31 +205,39 @@ class GradientRelease:
                 "all-reduce; use gradient_release=False, or shard the model with FSDP2 (fully_shard)"
             )
         checks.check_grad(self.record, param)
-        if self.local_optimizer is None:
-            step = self.optimizers[param]
-            group = step.sync(optimizer)
-        else:
-            step, group = self._local_step(param)
+        group_index = self.group_index[param]
+        group = {k: v for k, v in optimizer.param_groups[group_index].items() if k != "params"}
+        target, grad = sharded.local(param), sharded.local(param.grad)
+        error = sharded.local(self.record.error_term(param))
+        _step_count_on_device(optimizer.state[param], target.device)
+        state = {key: sharded.local(value) for key, value in optimizer.state[param].items()}
         if self.record.check_numerics:
-            checks.check_lr_moves_weights(self.record, group)
+            checks.check_lr_moves_weights(self.record, dict(group, params=[target]), stepped={target})
+        key = layout_key(group_index, target, error, state)
+        step = self.steps.get(key)
+        if step is None:
+            step = self.steps[key] = SingleParameterStep(optimizer, self.record, group_index, target, error, state,
+                                                         self.compile_options)
+        # The gradient is the window's alone from here on: in the graph, it is the window's gradient.
+        param.grad = None
+        step.point_at(group, target, error, state, grad)
         try:
             run_compiled_step(step.compiled, step.optimizer)
         finally:
-            step.param.grad = None
+            step.release()
+        # The step wrote through the windows: autograd's check that a saved tensor was not modified
+        # in place still sees the write.
+        torch.autograd.graph.increment_version(target)
         self.updated.add(id(param))
-        param.grad = None
 
-    def _local_step(self, param):
-        """The single-parameter step of a sharded ``param``'s local shard, synced. FSDP2 may swap a
-        local tensor object (in its lazy initialisation at the first forward), so the step is
-        built for the current one."""
-        local_param = self.local_optimizer.sync_one(param, self.group_index[param])
-        step = self.optimizers.get(param)
-        if step is None or step.param is not local_param:
-            step = SingleParameterStep(self.local_optimizer.optimizer, self.group_index[param], local_param,
-                                       self.compile_options)
-            self.optimizers[param] = step
-        return step, step.sync(self.local_optimizer.optimizer)
+
+def _step_count_on_device(state, device):
+    """Move a step count to its parameter's device, as Dynamo does when it traces a step
+    (``OptimizerVariable.move_step_if_cpu``). Left to Dynamo, it would replace the step count's
+    window in the window optimizer's state by a copy, which no later update would point at."""
+    count = state.get("step")
+    if count is not None and count.device != device:
+        state["step"] = count.to(device)
 
 
 @torch.compiler.disable

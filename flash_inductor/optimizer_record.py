@@ -36,6 +36,7 @@ class PreparedOptimizer:
     fp8_gradients: object = None  # of a bucket optimizer: its Bucket.fp8_grads (passes/fp8_gradients.py)
     state_format: str = "companded"  # how quantized states are stored: a name in STATE_FORMATS
     gradient_format: str | None = None  # FP8 gradients of quantized buckets: a name in tensor_scaled.GRADIENT_FORMATS
+    internal: bool = False  # an optimizer a prepared step runs (bucket, local, gradient release), not the user's
 
     @property
     def optimizer(self):

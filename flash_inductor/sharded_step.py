@@ -32,7 +32,8 @@ class LocalOptimizer:
         opt = object.__new__(type(outer))
         groups = [dict(g, params=[local(p) for p in g["params"]]) for g in outer.param_groups]
         torch.optim.Optimizer.__init__(opt, groups, outer.defaults)
-        roles.PREPARED[opt] = dataclasses.replace(record, optimizer_ref=weakref.ref(opt), error_terms={}, param_names={})
+        roles.PREPARED[opt] = dataclasses.replace(record, optimizer_ref=weakref.ref(opt), error_terms={}, param_names={},
+                                                  internal=True)
         return cls(weakref.ref(outer), opt)
 
     def sync(self):
@@ -46,12 +47,6 @@ class LocalOptimizer:
         for group_index, group in enumerate(self.outer_ref().param_groups):
             self._sync_hyperparameters(group_index)
             self.optimizer.param_groups[group_index]["params"] = [self._sync_param(p) for p in group["params"]]
-
-    def sync_one(self, p, group_index):
-        """Like ``sync``, for one parameter ``p`` of the sharded optimizer's group ``group_index``
-        (gradient release updates one at a time); returns its current local tensor."""
-        self._sync_hyperparameters(group_index)
-        return self._sync_param(p)
 
     def _sync_hyperparameters(self, group_index):
         group = self.outer_ref().param_groups[group_index]

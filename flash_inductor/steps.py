@@ -98,7 +98,7 @@ def run_compiled_step(compiled, optimizer, *args):
     """Call a compiled optimizer step (on ``args``) with a Dynamo cache large enough for every prepared step.
 
     Every optimizer of a class shares one Dynamo cache (one code object, guarded on ``self``), and
-    gradient release adds one single-parameter optimizer per parameter. Entries of optimizers that
+    gradient release adds one single-parameter optimizer per parameter layout. Entries of optimizers that
     were freed stay in that cache and count towards the limit, so the room is sized by every step
     run so far (two entries each: a hook in CUDA's autograd thread runs under another grad mode).
     Past the limit Dynamo would silently run the step eagerly, without the passes; it raises
