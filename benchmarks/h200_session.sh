@@ -50,9 +50,11 @@
 #              peers, the default and the sweep's fastest shape on 64 x 2048^2 (a shape per list)
 #   fp8lm1b2   issue 16/14: fp8lm1b's four rows in one run (no tests), then the Llama's torchao float8 row
 #   hfllamafp8 issue 14: the Llama's FP8 loss gap: our FP8 pass on the fp32-master baseline (baseline_fp8),
-#              to set against torchao_float8 (+1.86%) and flashoptim_fp8_fp32states (+5.03%); FlashOptim's row
-#   hfllamacausal issue 14: the Llama's first three rows with SDPA's is_causal (flash attention) in place of
-#              the explicit causal mask transformers passes under torch.compile before torch 2.14
+#              to set against torchao_float8 (+1.86%) and flashoptim_fp8_fp32states (+5.03%); before it, the
+#              rows FlashOptim 0.1.4 and gradient release (one compiled step per parameter layout)
+#   hfllamacausal issue 14: the speed of the Llama's first three rows (60 steps, profiled) with SDPA's
+#              is_causal (flash attention) in place of the explicit causal mask that transformers passes
+#              under torch.compile before torch 2.14
 #   hfsnapshot issue 14: who holds the memory between steps, HF GPT-2 124M: baseline and flashoptim
 #   gptsnapshot   the same for our GPT (train_gpt.py's, 124m shape): flashoptim
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
@@ -226,11 +228,11 @@ case $stage in
     logged hf_clients_llama_torchao_h200 250 hf_clients.py --model llama --configs torchao_float8
     ;;
   hfllamafp8)
-    logged hf_clients_llama_baseline_fp8_h200 540 hf_clients.py --model llama --configs baseline_fp8,flashoptim_pypi
+    logged hf_clients_llama_more2_h200 560 hf_clients.py --model llama --configs flashoptim_pypi,flashoptim_release,baseline_fp8
     ;;
   hfllamacausal)
-    logged hf_clients_llama_causal_h200 560 hf_clients.py --model llama --attention is_causal \
-      --configs baseline,flashoptim,flashoptim_fp8 --profile 3
+    logged hf_clients_llama_causal_h200 520 hf_clients.py --model llama --attention is_causal \
+      --configs baseline,flashoptim,flashoptim_fp8 --steps 60 --log-every 20 --profile 3
     ;;
   hfllamapeers)
     logged hf_clients_llama_more_h200 570 hf_clients.py --model llama \
