@@ -48,6 +48,10 @@
 #   launch13   issue 13/16: every GPU test of tests/test_gpu.py, the hand-written step's launch shapes
 #              (adam_kernel_sweep.py: bit-identical to the default, timed), then optimizer_step.py with the
 #              peers, the default and the sweep's fastest shape on 64 x 2048^2 (a shape per list)
+#   arith13    issue 13: the hand-written kernel's cheaper arithmetic (LaunchShape ``approx``) against the exact one:
+#              the GPU tests of the kernel (both arithmetics), adam_kernel_sweep.py over 8 shapes (exact ones bit-identical
+#              to the default, approx ones held to the fp64 reference), then optimizer_step.py with the peers, the
+#              default and the sweep's fastest shape on 64 x 2048^2 (a shape per list)
 #   fp8lm1b2   issue 16/14: fp8lm1b's four rows in one run (no tests), then the Llama's torchao float8 row
 #   hfllamafp8 issue 14: the Llama's FP8 loss gap: our FP8 pass on the fp32-master baseline (baseline_fp8),
 #              to set against torchao_float8 (+1.86%) and flashoptim_fp8_fp32states (+5.03%); before it, the
@@ -220,6 +224,19 @@ case $stage in
     logged adam_kernel_sweep_h200 200 adam_kernel_sweep.py --lists 64x2048x2048,gpt2_124m
     fastest=$(python benchmarks/adam_kernel_sweep.py --fastest "$out/adam_kernel_sweep_h200.json" --list 64x2048x2048)
     logged optimizer_step_launch13_h200 170 optimizer_step.py --lists 64x2048x2048,gpt2_124m \
+      --configs "torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_pypi,$fastest"
+    ;;
+  arith13)
+    timeout 210 python -m pytest -v -m gpu tests/test_gpu.py -k triton 2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_arith13_h200.log"
+    tail -4 "$out/gpu_tests_arith13_h200.log"
+    # the default and 32 x 2 (the fastest exact layouts), with and without approx, first; then approx on the next
+    # fastest exact layouts of launch13's sweep (16 x 2 x vector 8, 16 x 2, 32 x 4 x vector 8, 64 x 8 x vector 8)
+    shapes=block64_warps4,block64_warps4_approx,block32_warps2,block32_warps2_approx,block16_warps2_vector8_approx
+    shapes=$shapes,block16_warps2_approx,block32_warps4_vector8_approx,block64_warps8_vector8_approx
+    logged adam_kernel_sweep_arith13_h200 170 adam_kernel_sweep.py --lists 64x2048x2048,gpt2_124m --time-limit 140 \
+      --shapes "$shapes"
+    fastest=$(python benchmarks/adam_kernel_sweep.py --fastest "$out/adam_kernel_sweep_arith13_h200.json" --list 64x2048x2048)
+    logged optimizer_step_arith13_h200 150 optimizer_step.py --lists 64x2048x2048,gpt2_124m \
       --configs "torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_pypi,$fastest"
     ;;
   fp8lm1b2)

@@ -11,10 +11,14 @@ of ``formats/split_weights.py`` (the step's plain pair, int8 error terms) and
 ``formats/companded.py`` (signed and sqrt codes, fp16 group scales, one reciprocal per group),
 written once more in Triton; ``tests/test_gpu.py`` holds it to the fp64 reference and to the
 Inductor step. Groups whose parameter has no gradient (``bucket.active``) are not written.
+``LaunchShape.approx`` computes the same step with cheaper arithmetic (``_adam_block``), inside the
+numerics policy but not bit for bit; Triton's interpreter runs both on CPU tensors
+(tests/test_triton_interpreter.py).
 """
 
 import dataclasses
 import functools
+import os
 import re
 
 import torch
@@ -26,7 +30,8 @@ from flash_inductor.formats.state_tensor import CompandedState, TensorScaledStat
 
 @dataclasses.dataclass(frozen=True)
 class LaunchShape:
-    """How ``step`` launches the kernel: knobs of speed only, the stored bytes do not depend on them.
+    """How ``step`` launches the kernel: knobs of speed. The stored bytes depend on none of them but
+    ``approx`` (``same_bytes_as_default``).
 
     block_groups: groups of 32 per block (a power of two); num_warps: warps per program.
     vector: the contiguous elements a thread handles at a time along a group (a power of two up to
@@ -37,6 +42,10 @@ class LaunchShape:
     evict: streamed loads marked ``evict_first`` and stores ``.cs`` (each byte is touched once).
     programs_per_sm: 0: one program per block; k > 0: persistent, ``k`` programs per SM, each
         looping over the blocks with ``stages`` software-pipelining stages.
+    approx: cheaper arithmetic within issue 13's numerics policy (``_adam_block``'s docstring): the
+        codes and masters stored may differ from the exact kernel's by a rounding, within one code of
+        the fp64 reference (states) and one error-code step (masters). A knob here, with the launch
+        ones, so that one name (``from_name``) picks both and one sweep times them side by side.
     """
 
     block_groups: int = 64  # the fastest timed on the H200 (64 x 4 warps, before the other knobs)
@@ -45,6 +54,7 @@ class LaunchShape:
     evict: bool = False
     programs_per_sm: int = 0
     stages: int = 1
+    approx: bool = False
 
     def __post_init__(self):
         powers = {"block_groups": self.block_groups, "num_warps": self.num_warps, "vector": self.vector}
@@ -57,38 +67,51 @@ class LaunchShape:
 
     @property
     def name(self):
-        """``block{B}_warps{W}``, then the knobs off their defaults: ``_vector{V}_evict_persist{K}_stages{S}``."""
+        """``block{B}_warps{W}``, then the knobs off their defaults:
+        ``_vector{V}_evict_persist{K}_stages{S}_approx``."""
         default = LaunchShape()
         parts = [f"block{self.block_groups}", f"warps{self.num_warps}"]
         parts += [f"vector{self.vector}"] if self.vector != default.vector else []
         parts += ["evict"] if self.evict else []
         parts += [f"persist{self.programs_per_sm}"] if self.programs_per_sm else []
         parts += [f"stages{self.stages}"] if self.stages != default.stages else []
+        parts += ["approx"] if self.approx else []
         return "_".join(parts)
+
+    @property
+    def same_bytes_as_default(self):
+        """Whether steps launched so store the default shape's bytes (every knob but ``approx``)."""
+        return self.approx == LaunchShape().approx
 
     @classmethod
     def from_name(cls, name):
         """The shape named by ``_``-separated parts, in any order, each at most once, the others
         default: ``block{B}``, ``warps{W}``, ``vector{V}``, ``evict``, ``persist{K}`` (programs per
-        SM), ``stages{S}``; e.g. ``block32_warps2_vector8_evict_persist4_stages2``."""
+        SM), ``stages{S}``, ``approx``; e.g. ``block32_warps2_vector8_evict_persist4_stages2_approx``."""
         fields = {"block": "block_groups", "warps": "num_warps", "vector": "vector", "persist": "programs_per_sm",
                   "stages": "stages"}
         knobs = {}
         for part in name.split("_"):
-            match = re.fullmatch(r"(block|warps|vector|persist|stages)(\d+)|evict", part)
-            key = match and ("evict" if part == "evict" else fields[match[1]])
+            match = re.fullmatch(r"(block|warps|vector|persist|stages)(\d+)|evict|approx", part)
+            key = match and (part if part in ("evict", "approx") else fields[match[1]])
             if not match or key in knobs:
                 raise ValueError(f"launch shape {name!r}: bad or repeated part {part!r} (the parts: block{{B}}, "
-                                 "warps{W}, vector{V}, evict, persist{K}, stages{S}, each at most once)")
-            knobs[key] = True if key == "evict" else int(match[2])
+                                 "warps{W}, vector{V}, evict, persist{K}, stages{S}, approx, each at most once)")
+            knobs[key] = True if key in ("evict", "approx") else int(match[2])
         return cls(**knobs)
 
 
 LAUNCH = LaunchShape()  # what ``step`` launches (benchmarks swap it)
+# Triton's interpreter (TRITON_INTERPRET=1 before the first import of triton: tests/test_triton_interpreter.py)
+# runs the kernel on CPU tensors, in numpy.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if _compat.HAS_TRITON:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
+
+    _INTERPRETED = tl.constexpr(INTERPRETED)  # no libdevice, and numpy has no fused multiply-add
 
     @triton.jit
     def _pow2(k):
@@ -106,17 +129,161 @@ if _compat.HAS_TRITON:
         return tl.maximum(biased, 1) - (BIAS + MANTISSA + 1)
 
     @triton.jit
-    def _group_scale(x):
-        """fp16 scales of the groups of ``x`` (``[block, 32 // vector, vector]``) and the reciprocals of
+    def _divide(x, y, APPROX: tl.constexpr):
+        """``x / y``: Triton's fp32 division, div.full (within 2 ulps; on sm_90 range fix-ups around the
+        reciprocal, 8 instructions), or (APPROX) div.approx.ftz: the reciprocal and a product (within
+        2 ulps too for |y| < 2**126, subnormal operands and results flushed to zero)."""
+        if APPROX and not _INTERPRETED:
+            return libdevice.fast_dividef(x, y)
+        else:
+            return x / y
+
+    @triton.jit
+    def _codes_to_float(codes, NEGATE: tl.constexpr, APPROX: tl.constexpr):
+        """8-bit integer codes (NEGATE: their negations, 0 giving +0.0) as fp32, exactly. APPROX: not
+        by I2F, which like every conversion runs on the unit of MUFU (on sm_90 16 results per clock
+        and SM, an eighth of the fp32 rate), but as the low mantissa bits of 1.5 * 2**23 (whose ulp
+        is 1), taken out by an fp32 subtraction: an integer add and an fp32 add."""
+        if APPROX:
+            if NEGATE:
+                bits = 0x4B400000 - codes.to(tl.int32)
+            else:
+                bits = codes.to(tl.int32) + 0x4B400000
+            return bits.to(tl.float32, bitcast=True) - 12582912.0
+        else:
+            if NEGATE:
+                codes = -codes
+            return codes.to(tl.float32)
+
+    @triton.jit
+    def _uint8_times(codes, k):
+        """``codes * k`` (uint8 codes) rounded once, without I2F: ``f = 2**23 + code`` from the bits, and
+        ``f * k - 2**23 * k`` in one fused multiply-add (``2**23 * k`` is exact)."""
+        f = (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
+        if _INTERPRETED:  # numpy rounds the product before the sum
+            return (f - 8388608.0) * k
+        else:
+            return tl.fma(f, k, -8388608.0 * k)
+
+    @triton.jit
+    def _rounded_bits(z):
+        """``z`` (|z| < 2**22) rounded to the nearest integer, ties to even, in the low bits of an int32
+        whose low byte is then the int8 or uint8 code: 1.5 * 2**23 + z rounds on that binade's integer
+        grid (one fp32 add, or fused into the product before it, instead of FRND and F2I)."""
+        return (z + 12582912.0).to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def _exponent_bits(hi32, BIAS: tl.constexpr):
+        """The exponent field, in place, of ``hi32``: a bf16/fp16 ``hi`` as fp32; at least that of the
+        format's smallest normal (zero and subnormals have its ulp)."""
+        return tl.maximum(hi32.to(tl.int32, bitcast=True) & 0x7F800000, (128 - BIAS) << 23)
+
+    @triton.jit
+    def _decoded_error(codes, hi, hi32, GUARD: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+                       APPROX: tl.constexpr):
+        """What split_weights.decode_for_step subtracts from ``hi`` (``hi32`` as fp32): ``fine = -code / 127``
+        (negated: -0.0 stays), codes +-127 pulled in by the guard, times ``hi``'s half ulp
+        ``h = 2 ** (e - m - 1)``, exactly. APPROX, exactly the same: ``fine * 2**-(m+1)`` in one
+        product, times ``2 ** (e - 127)``, the fp32 holding ``hi32``'s exponent field (inf and nan
+        capped, to stay finite): integer masks where the exact kernel builds two powers of two."""
+        fine = _codes_to_float(codes, True, APPROX)
+        if APPROX:
+            half = 2.0 ** -(MANTISSA + 1)  # 2 ** (e - 127) times this is h
+            fine = tl.clamp(fine * (half / 127), (-1.0 + GUARD) * half, (1.0 - GUARD) * half)
+            return fine * tl.minimum(_exponent_bits(hi32, BIAS), 254 << 23).to(tl.float32, bitcast=True)
+        else:
+            fine = tl.minimum(tl.maximum(fine * (1.0 / 127), -1.0 + GUARD), 1.0 - GUARD)
+            return _scale_by_pow2(fine, _half_ulp_log2(hi, MANTISSA, BIAS))
+
+    @triton.jit
+    def _error_code(x, new_hi, CODE_SCALE: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+                    APPROX: tl.constexpr):
+        """split_weights.store_from_step's int8 code of master ``x`` stored as ``new_hi``: ``rel = (x - hi) / h``
+        (0 where non-finite) clamped to [-1, 1], ``floor(rel * CODE_SCALE + 0.5)``. APPROX: ``rel * 2**-m``
+        exactly as ``(x - hi) * 2 ** (128 - e)`` (normal for every e in [1, 254]; 0 for inf and nan),
+        rounded to nearest even by one fused multiply-add (``_rounded_bits``)."""
+        new_hi32 = new_hi.to(tl.float32)
+        if APPROX:
+            scaled = (x - new_hi32) * (0x7F800000 - _exponent_bits(new_hi32, BIAS)).to(tl.float32, bitcast=True)
+            scaled = tl.where(tl.abs(scaled) < float("inf"), scaled, 0.0)  # non-finite masters: code 0
+            bound = 2.0**-MANTISSA
+            return _rounded_bits(tl.clamp(scaled, -bound, bound) * (CODE_SCALE * 2.0**MANTISSA)).to(tl.int8)
+        else:
+            rel = _scale_by_pow2(x - new_hi32, -_half_ulp_log2(new_hi, MANTISSA, BIAS))
+            rel = tl.where(tl.abs(rel) < float("inf"), rel, 0.0)  # non-finite masters: code 0
+            rel = tl.minimum(tl.maximum(rel, -1.0), 1.0)
+            return tl.floor(rel * CODE_SCALE + 0.5).to(tl.int8)
+
+    @triton.jit
+    def _group_scale(x, FACTOR: tl.constexpr, APPROX: tl.constexpr):
+        """fp16 scales of the groups of ``x`` (``[block, 32 // vector, vector]``) and ``FACTOR`` over
         their fp32 values: absmax clamped to [1e-12, 65504], nan for a group holding inf or nan
-        (formats/companded.py), in one reduction."""
+        (formats/companded.py), in one reduction. APPROX: the same scales from the max of the int32
+        views of ``|x|`` (ordered as ``|x|``, nan above inf), where the exact kernel compares and
+        selects before each max."""
         magnitude = tl.abs(x)
-        absmax = tl.max(tl.max(tl.where(magnitude == magnitude, magnitude, float("inf")), axis=2), axis=1)
-        scale16 = tl.where(absmax == float("inf"), float("nan"), tl.minimum(tl.maximum(absmax, 1e-12), 65504.0))
+        if APPROX:
+            bits = tl.max(tl.max(magnitude.to(tl.int32, bitcast=True), axis=2), axis=1)
+            absmax = bits.to(tl.float32, bitcast=True)
+            scale16 = tl.where(bits < 0x7F800000, tl.minimum(tl.maximum(absmax, 1e-12), 65504.0), float("nan"))
+        else:
+            absmax = tl.max(tl.max(tl.where(magnitude == magnitude, magnitude, float("inf")), axis=2), axis=1)
+            scale16 = tl.where(absmax == float("inf"), float("nan"), tl.minimum(tl.maximum(absmax, 1e-12), 65504.0))
         scale16 = scale16.to(tl.float16)
         scale = scale16.to(tl.float32)
-        inverse = tl.where(scale > 0, 1.0 / scale, 0.0)  # 0 where fp16 underflowed or the group is nan
+        inverse = tl.where(scale > 0, FACTOR / scale, 0.0)  # 0 where fp16 underflowed or the group is nan
         return scale16, inverse[:, None, None]
+
+    @triton.jit
+    def _decoded_first_moment(codes, scale, APPROX: tl.constexpr):
+        """formats/companded.py's signed decode: ``y / (2 - |y|) * scale`` with ``y = code / 127``;
+        APPROX: ``code * scale / (254 - |code|)``, one division."""
+        c = _codes_to_float(codes, False, APPROX)
+        if APPROX:
+            return _divide(c * scale, 254 - tl.abs(c), APPROX)
+        else:
+            y = c * (1.0 / 127)
+            return y / (2 - tl.abs(y)) * scale
+
+    @triton.jit
+    def _decoded_root(codes, scale, APPROX: tl.constexpr):
+        """formats/companded.py's sqrt decode, before squaring: ``code / 255 * scale``; APPROX: ``code *
+        (scale / 255)``, ``scale / 255`` once per group."""
+        if APPROX:
+            return _uint8_times(codes, scale * (1.0 / 255))
+        else:
+            return codes.to(tl.float32) * (1.0 / 255) * scale
+
+    @triton.jit
+    def _first_moment_codes(m, APPROX: tl.constexpr):
+        """formats/companded.py's signed encode of ``m``: the group scales (fp16) and codes
+        ``floor(127 * 2u / (1 + |u|) + 0.5)`` of ``u = m / scale``, within [-127, 127]. APPROX: ``254 u``
+        from the group's reciprocal times 254, and ``254 u / (1 + |u|)`` rounded by ``_rounded_bits``."""
+        if APPROX:
+            scale16, inverse = _group_scale(m, 254.0, APPROX)
+            u = tl.clamp(m * inverse, -254.0, 254.0)  # |m| may pass its fp16-rounded (or clamped) scale
+            return scale16, _rounded_bits(u * _divide(1.0, 1 + tl.abs(u) * (1.0 / 254), APPROX)).to(tl.int8)
+        else:
+            scale16, inverse = _group_scale(m, 1.0, APPROX)
+            u = m * inverse
+            q = tl.floor(127 * (2 * u / (1 + tl.abs(u))) + 0.5)
+            return scale16, tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+
+    @triton.jit
+    def _root_codes(root, APPROX: tl.constexpr):
+        """formats/companded.py's sqrt encode of ``root = sqrt(v)``: the group scales (fp16) and codes
+        ``floor(255 u + 0.5)`` of ``u = root / scale``, at least 1 where ``u > 0`` (docs/numerics.md,
+        "Second-moment floor"). APPROX: ``255 u`` from the group's reciprocal times 255, rounded by
+        ``_rounded_bits``."""
+        if APPROX:
+            scale16, inverse = _group_scale(root, 255.0, APPROX)
+            u = root * inverse
+            return scale16, _rounded_bits(tl.where(u > 0, tl.minimum(tl.maximum(u, 1.0), 255.0), 0.0)).to(tl.uint8)
+        else:
+            scale16, inverse = _group_scale(root, 1.0, APPROX)
+            u = root * inverse
+            q = tl.where(u > 0, tl.minimum(tl.maximum(tl.floor(255 * u + 0.5), 1.0), 255.0), 0.0)  # code 1 at least
+            return scale16, q.to(tl.uint8)
 
     @triton.jit
     def _load(pointer, mask, other, EVICT: tl.constexpr):
@@ -134,9 +301,23 @@ if _compat.HAS_TRITON:
         num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
         DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_ERRORS: tl.constexpr, PER_GROUP: tl.constexpr,
         MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr, CODE_SCALE: tl.constexpr,
-        BLOCK: tl.constexpr, VECTOR: tl.constexpr, EVICT: tl.constexpr,
+        BLOCK: tl.constexpr, VECTOR: tl.constexpr, EVICT: tl.constexpr, APPROX: tl.constexpr,
     ):
-        """The step of the ``BLOCK`` groups of block ``block``."""
+        """The step of the ``BLOCK`` groups of block ``block``.
+
+        APPROX: the same step in fewer instructions, within issue 13's numerics policy (states within
+        one code of the fp64 reference, masters within one error-code step; docs/numerics.md), most of
+        them taken off the unit that runs MUFU and every conversion (I2F, F2I, FRND, F2F: 16 results
+        per clock and SM on sm_90, an eighth of the fp32 rate), which the exact kernel keeps busy with
+        about 12 operations per element (benchmarks/adam_kernel_sass.py counts them):
+        - codes decode without I2F and encode without FRND and F2I (``_codes_to_float``,
+          ``_rounded_bits``): rounded to nearest even where the exact kernel floors ``z + 0.5``;
+        - divisions are div.approx, the reciprocal and a product, instead of div.full (``_divide``), and
+          the first moment decodes in one;
+        - the error term's half ulp comes from the exponent field of ``hi`` (``_decoded_error``,
+          ``_error_code``: the same values), the group absmax from an integer max (``_group_scale``).
+        Codes inside a group whose scale is nan differ (they decode to nan either way).
+        """
         rows = block * BLOCK + tl.arange(0, BLOCK)
         row_ok = rows < num_groups
         # bias corrections 1 - beta ** step (fp32, as torch's eager Adam) folded into per-row or per-bucket
@@ -159,17 +340,14 @@ if _compat.HAS_TRITON:
         hi = _load(weights + at, mask, 0.0, EVICT)
         x = hi.to(tl.float32)
         if HAS_ERRORS:
-            # split_weights.decode_for_step: negated (-0.0 stays), codes +-127 pulled in by the guard
-            fine = (-_load(errors + at, mask, 0, EVICT)).to(tl.float32) * (1.0 / 127)
-            fine = tl.minimum(tl.maximum(fine, -1.0 + GUARD), 1.0 - GUARD)
-            x -= _scale_by_pow2(fine, _half_ulp_log2(hi, MANTISSA, BIAS))
+            x -= _decoded_error(_load(errors + at, mask, 0, EVICT), hi, x, GUARD, MANTISSA, BIAS, APPROX)
         g = _load(grads + at, mask, 0.0, EVICT).to(tl.float32)
         if MAXIMIZE:
             g = -g
-        y = _load(m_codes + at, mask, 0, EVICT).to(tl.float32) * (1.0 / 127)
-        m = y / (2 - tl.abs(y)) * _load(m_scales + rows, ok, 0.0, EVICT).to(tl.float32)[:, None, None]
-        s = _load(v_codes + at, mask, 0, EVICT).to(tl.float32) * (1.0 / 255)
-        s = s * _load(v_scales + rows, ok, 0.0, EVICT).to(tl.float32)[:, None, None]
+        m = _decoded_first_moment(_load(m_codes + at, mask, 0, EVICT),
+                                  _load(m_scales + rows, ok, 0.0, EVICT).to(tl.float32)[:, None, None], APPROX)
+        s = _decoded_root(_load(v_codes + at, mask, 0, EVICT),
+                          _load(v_scales + rows, ok, 0.0, EVICT).to(tl.float32)[:, None, None], APPROX)
         v = s * s
 
         if DECOUPLED:
@@ -178,27 +356,24 @@ if _compat.HAS_TRITON:
             g = g + weight_decay * x
         m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * g * g
-        root = tl.sqrt(v)  # also the encoded value of the second moment (v >= 0)
+        root = tl.sqrt(v)  # sqrt.approx.ftz; also the encoded value of the second moment (v >= 0)
+        if APPROX:  # the step size over the denominator first: div.approx.ftz would flush a subnormal m
+            update = m * _divide(step_size, root * inverse_root_correction2 + eps, APPROX)
+        else:
+            update = step_size * m / (root * inverse_root_correction2 + eps)
         # a step at lr 0 keeps the weights, also where the update is nan (passes/untouched_parameters.py)
-        x = x - tl.where(lr != 0, step_size * m / (root * inverse_root_correction2 + eps), 0.0)
+        x = x - tl.where(lr != 0, update, 0.0)
 
         new_hi = x.to(weights.dtype.element_ty)
         _store(weights + at, new_hi, mask, EVICT)
         if HAS_ERRORS:
-            rel = _scale_by_pow2(x - new_hi.to(tl.float32), -_half_ulp_log2(new_hi, MANTISSA, BIAS))
-            rel = tl.where(tl.abs(rel) < float("inf"), rel, 0.0)  # non-finite masters: code 0
-            rel = tl.minimum(tl.maximum(rel, -1.0), 1.0)
-            _store(errors + at, tl.floor(rel * CODE_SCALE + 0.5).to(tl.int8), mask, EVICT)
+            _store(errors + at, _error_code(x, new_hi, CODE_SCALE, MANTISSA, BIAS, APPROX), mask, EVICT)
 
-        m_scale16, m_inverse = _group_scale(m)
-        u = m * m_inverse
-        q = tl.floor(127 * (2 * u / (1 + tl.abs(u))) + 0.5)
-        _store(m_codes + at, tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8), mask, EVICT)
+        m_scale16, m_code = _first_moment_codes(m, APPROX)
+        _store(m_codes + at, m_code, mask, EVICT)
         _store(m_scales + rows, m_scale16, ok, EVICT)
-        v_scale16, v_inverse = _group_scale(root)
-        u = root * v_inverse
-        q = tl.where(u > 0, tl.minimum(tl.maximum(tl.floor(255 * u + 0.5), 1.0), 255.0), 0.0)  # code 1 at least
-        _store(v_codes + at, q.to(tl.uint8), mask, EVICT)
+        v_scale16, v_code = _root_codes(root, APPROX)
+        _store(v_codes + at, v_code, mask, EVICT)
         _store(v_scales + rows, v_scale16, ok, EVICT)
 
     @triton.jit
@@ -208,6 +383,7 @@ if _compat.HAS_TRITON:
         DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_ERRORS: tl.constexpr, PER_GROUP: tl.constexpr,
         MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr, CODE_SCALE: tl.constexpr,
         BLOCK: tl.constexpr, VECTOR: tl.constexpr, EVICT: tl.constexpr, PERSISTENT: tl.constexpr, STAGES: tl.constexpr,
+        APPROX: tl.constexpr,
     ):
         """The step of block ``program_id``, or (PERSISTENT) of every ``num_programs``-th block from it."""
         if PERSISTENT:
@@ -215,12 +391,14 @@ if _compat.HAS_TRITON:
                 _adam_block(
                     block, weights, errors, grads, m_codes, m_scales, v_codes, v_scales, beta_powers, active,
                     num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-                    DECOUPLED, MAXIMIZE, HAS_ERRORS, PER_GROUP, MANTISSA, BIAS, GUARD, CODE_SCALE, BLOCK, VECTOR, EVICT)
+                    DECOUPLED, MAXIMIZE, HAS_ERRORS, PER_GROUP, MANTISSA, BIAS, GUARD, CODE_SCALE, BLOCK, VECTOR, EVICT,
+                    APPROX)
         else:
             _adam_block(
                 tl.program_id(0), weights, errors, grads, m_codes, m_scales, v_codes, v_scales, beta_powers, active,
                 num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-                DECOUPLED, MAXIMIZE, HAS_ERRORS, PER_GROUP, MANTISSA, BIAS, GUARD, CODE_SCALE, BLOCK, VECTOR, EVICT)
+                DECOUPLED, MAXIMIZE, HAS_ERRORS, PER_GROUP, MANTISSA, BIAS, GUARD, CODE_SCALE, BLOCK, VECTOR, EVICT,
+                APPROX)
 
 
 def ineligible(bucket, optimizer):
@@ -229,7 +407,7 @@ def ineligible(bucket, optimizer):
     states = bucket.states
     if not _compat.HAS_TRITON:
         return "Triton is not installed"
-    if bucket.weights.device.type != "cuda":
+    if bucket.weights.device.type != "cuda" and not INTERPRETED:
         return "not on a CUDA device"
     if not isinstance(optimizer, torch.optim.Adam):
         return f"{type(optimizer).__name__} has no hand-written kernel"
@@ -262,7 +440,6 @@ def step(bucket, optimizer):
     bucket.step.add_(bucket.active)
     beta_powers = torch.pow(_device_betas(beta1, beta2, bucket.step.device), bucket.step)  # fp64: the kernel rounds
     m, v = bucket.states["exp_avg"], bucket.states["exp_avg_sq"]
-    mantissa, bias = split_weights.mantissa_bits_and_bias(bucket.weights.dtype)
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
     shape = LAUNCH
     blocks = triton.cdiv(bucket.num_groups, shape.block_groups)
@@ -272,11 +449,21 @@ def step(bucket, optimizer):
         m.codes, m.scales, v.codes, v.scales, beta_powers, bucket.active,
         bucket.num_groups, lr, 1 - beta1, beta2, 1 - beta2,
         float(group["eps"]), float(group["weight_decay"]),
-        DECOUPLED=bool(decoupled), MAXIMIZE=bool(group.get("maximize")), HAS_ERRORS=bucket.errors is not None,
-        PER_GROUP=bucket.per_group, MANTISSA=mantissa, BIAS=bias, GUARD=split_weights.step_guard(bucket.weights.dtype),
-        CODE_SCALE=split_weights.STEP_CODE_SCALE, BLOCK=shape.block_groups, VECTOR=shape.vector, EVICT=shape.evict,
-        PERSISTENT=shape.programs_per_sm > 0, STAGES=shape.stages, num_warps=shape.num_warps,
+        **kernel_constants(shape, bucket.weights.dtype, bucket.errors is not None, bucket.per_group, bool(decoupled),
+                           bool(group.get("maximize"))),
+        num_warps=shape.num_warps,
     )
+
+
+def kernel_constants(shape, weights_dtype, has_errors, per_group, decoupled, maximize):
+    """``_adam_kernel``'s compile-time arguments for ``shape`` and a bucket of ``weights_dtype`` weights
+    (with int8 error terms or none), with per-group step counts or one, an AdamW (``decoupled``) or Adam
+    step (also benchmarks/adam_kernel_sass.py's)."""
+    mantissa, bias = split_weights.mantissa_bits_and_bias(weights_dtype)
+    return dict(DECOUPLED=decoupled, MAXIMIZE=maximize, HAS_ERRORS=has_errors, PER_GROUP=per_group, MANTISSA=mantissa,
+                BIAS=bias, GUARD=split_weights.step_guard(weights_dtype), CODE_SCALE=split_weights.STEP_CODE_SCALE,
+                BLOCK=shape.block_groups, VECTOR=shape.vector, EVICT=shape.evict, PERSISTENT=shape.programs_per_sm > 0,
+                STAGES=shape.stages, APPROX=shape.approx)
 
 
 @functools.cache

@@ -6,8 +6,9 @@ import torch.nn as nn
 
 import flash_inductor
 from flash_inductor import roles, triton_adam
-from helpers import assert_same_bits, stored_bits
-from test_optimizer_numerics import check_one_step_against_fp64_reference
+from helpers import assert_same_bits, ref_decode_state, stored_bits
+from reference import GROUP, ref_split_decode
+from test_optimizer_numerics import check_one_step_against_fp64_reference, compare_with_expected_steps, expected_steps
 
 pytestmark = pytest.mark.gpu
 LR, WEIGHT_DECAY = 1e-3, 0.1
@@ -140,12 +141,89 @@ ADAM_CASES = {
 }
 
 
+# the default arithmetic and the cheaper one (issue 13's numerics policy), the cheaper one on another layout too
+ARITHMETICS = ["block64_warps4", "block64_warps4_approx", "block32_warps2_vector8_approx"]
+
+
+@pytest.mark.parametrize("launch", ARITHMETICS[:2])
 @pytest.mark.parametrize("name", list(ADAM_CASES))
-def test_triton_adam_step_matches_fp64_reference_within_one_code_step(name):
-    """The hand-written kernel (flash_inductor/triton_adam.py) against the fp64 reference, step by
-    step, with the tolerances the CPU path meets (tests/test_optimizer_numerics.py)."""
+def test_triton_adam_step_matches_fp64_reference_within_one_code_step(name, launch, monkeypatch):
+    """The hand-written kernel (flash_inductor/triton_adam.py), exact or ``approx``, against the fp64
+    reference, step by step, with the tolerances the CPU path meets (tests/test_optimizer_numerics.py)."""
+    monkeypatch.setattr(triton_adam, "LAUNCH", triton_adam.LaunchShape.from_name(launch))
     model, opt = check_one_step_against_fp64_reference(*ADAM_CASES[name], device="cuda", compile_options={})
     assert all(triton_adam.ineligible(b, b.optimizer) is None for b in roles.PREPARED[opt].buckets)
+
+
+def check_kernel_edge_cases(device):
+    """The hand-written step (as ``triton_adam.LAUNCH`` launches it) of four parameters on ``device``,
+    against the fp64 reference wherever the values stay finite (tests/test_optimizer_numerics.py's
+    tolerances), in three steps:
+    1. a group of zero gradients (zero states: scale 0, codes 0), a second moment 1e-12 of its
+       group's largest (code 1, not 0: docs/numerics.md, "Second-moment floor"), and a parameter
+       of zero, subnormal and tiny masters with zero gradients (weight decay only);
+    2. lr 0 (every weight and error term keeps its bits, the tiny ones too) with one parameter
+       without gradient (all its stored values and its step count keep their bits);
+    3. a nan and an inf gradient: those two masters non-finite (as stock torch's), the moments' scales
+       nan in their groups and only there (the codes of a nan group are unspecified: they decode to nan).
+    Also run by Triton's interpreter (tests/test_triton_interpreter.py)."""
+    torch.manual_seed(0)
+    tiny = torch.cat([torch.zeros(GROUP), torch.randn(GROUP) * 1e-39, torch.randn(GROUP) * 1e-36])
+    params = nn.ParameterList([nn.Parameter(t.to(device)) for t in (
+        torch.randn(64, 64) * 0.02, torch.randn(32, 48) * 0.02, torch.randn(96) * 0.02, tiny)])
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    flash_inductor.prepare(params, opt, min_quantized_numel=1, compile_options={})
+    assert all(triton_adam.ineligible(b, b.optimizer) is None for b in roles.PREPARED[opt].buckets)
+    a, b, c, d = params
+
+    def step(grads):
+        for p, g in zip(params, grads):
+            p.grad = None if g is None else g.to(device, p.dtype)
+        expected = expected_steps(params, opt, "adamw")
+        opt.step()
+        return expected
+
+    grads = [torch.randn(p.shape) * 1e-2 for p in params[:3]] + [torch.zeros(d.shape)]
+    grads[1].view(-1)[:GROUP] = 0  # b's first group
+    grads[1].view(-1)[GROUP] = 1e-8  # b's second group: sqrt(v) 1e-6 of its largest
+    compare_with_expected_steps(params, opt, step(grads), "step 1")
+    for key in ("exp_avg", "exp_avg_sq"):
+        state = opt.state[b][key]
+        assert state.scales[0] == 0 and not state.codes.view(-1)[:GROUP].any() and state.scales[1] > 0, key
+    assert opt.state[b]["exp_avg_sq"].codes.view(-1)[GROUP] == 1
+
+    opt.param_groups[0]["lr"].fill_(0.0)
+    before = stored_bits(params, opt)
+    grads = [torch.randn(p.shape) * 1e-2 for p in params]
+    grads[2] = None
+    compare_with_expected_steps(params, opt, step(grads), "step 2")
+    after = stored_bits(params, opt)
+    kept = [k for k in before if k.startswith("2") or k in ("0", "1", "3", "0.error", "1.error", "3.error")]
+    assert [k for k in kept if not torch.equal(before[k], after[k])] == []
+    assert float(opt.state[c]["step"]) == 1 and float(opt.state[a]["step"]) == 2
+
+    opt.param_groups[0]["lr"].fill_(LR)
+    grads = [torch.randn(p.shape) * 1e-2 for p in params]
+    grads[0][0, 0], grads[0][5, 7] = float("nan"), float("inf")
+    expected = step(grads)
+    del expected[a]
+    compare_with_expected_steps(params, opt, expected, "step 3")
+    master = ref_split_decode(a.detach(), roles.PREPARED[opt].error_term(a), 127)
+    assert torch.equal(~master.isfinite(), ~grads[0].to(device).isfinite())
+    nonfinite_groups = (~grads[0].to(device).isfinite()).view(-1, GROUP).any(dim=1)
+    for key in ("exp_avg", "exp_avg_sq"):
+        state = opt.state[a][key]
+        assert torch.equal(state.scales.isnan(), nonfinite_groups), key
+        decoded = ref_decode_state(state.codes, state.scales, a.shape, state.kind).view(-1, GROUP)
+        assert decoded[~nonfinite_groups].isfinite().all(), key
+
+
+@pytest.mark.parametrize("launch", ARITHMETICS)
+def test_triton_step_edge_cases(launch, monkeypatch):
+    """Zero groups, the second moment's code-1 floor, lr 0, a parameter without gradient, nan and inf
+    gradients (``check_kernel_edge_cases``), with each arithmetic."""
+    monkeypatch.setattr(triton_adam, "LAUNCH", triton_adam.LaunchShape.from_name(launch))
+    check_kernel_edge_cases("cuda")
 
 
 def _kernel_runs(step_kernel, **prepare_kwargs):
@@ -198,14 +276,15 @@ def test_triton_step_agrees_with_inductor_step_and_skips_parameters_without_grad
 
 
 # _kernel_runs has one bucket of ~8900 groups: with blocks of 8 and one program per SM each program loops over ~8 blocks
-@pytest.mark.parametrize("launch", ["block64_warps4_vector8", "block8_warps2_vector8_persist1_stages2",
-                                    "block32_warps2_vector16_evict_persist2_stages3", "block64_warps4_evict"])
-def test_triton_step_launch_shapes_store_the_same_bytes(launch, monkeypatch):
+@pytest.mark.parametrize("base,launch", [
+    ("block64_warps4", "block64_warps4_vector8"), ("block64_warps4", "block8_warps2_vector8_persist1_stages2"),
+    ("block64_warps4", "block32_warps2_vector16_evict_persist2_stages3"), ("block64_warps4", "block64_warps4_evict"),
+    ("block64_warps4_approx", "block16_warps2_vector8_evict_persist2_stages2_approx")])
+def test_triton_step_launch_shapes_store_the_same_bytes(base, launch, monkeypatch):
     """A launch shape (triton_adam.LaunchShape) changes the speed only: from the same state and gradients
-    each step stores the same bytes as the default shape's, also with per-group step counts (a
-    parameter without gradient)."""
-    shape = triton_adam.LaunchShape.from_name(launch)
-    runs = [(triton_adam.LaunchShape(), *_kernel_runs("triton")), (shape, *_kernel_runs("triton"))]
+    each step stores the same bytes as the default shape's (with ``approx``: as the default shape's with
+    ``approx``), also with per-group step counts (a parameter without gradient)."""
+    runs = [(triton_adam.LaunchShape.from_name(name), *_kernel_runs("triton")) for name in (base, launch)]
     for step in range(3):
         grads = [torch.randn_like(p) * 1e-2 for p in runs[0][1].parameters()]
         for launch_shape, model, opt in runs:

@@ -22,6 +22,7 @@ the two Inductor tests of 3 share one compiled optimizer (module-scoped fixture)
 case of 4 compiles its own.
 """
 
+import collections
 import copy
 import operator
 import warnings
@@ -253,8 +254,8 @@ def test_one_step_with_fp8_gradients_matches_fp64_reference(name, gradient_forma
                                           gradient_format=gradient_format)
 
 
-def check_one_step_against_fp64_reference(cls, kwargs, algo, device, compile_options, gradient_format=None):
-    """Each of ``STEPS`` steps of ``cls`` (prepared on ``device`` with ``compile_options``) against one
+def check_one_step_against_fp64_reference(cls, kwargs, algo, device, compile_options, gradient_format=None, steps=STEPS):
+    """Each of ``steps`` steps of ``cls`` (prepared on ``device`` with ``compile_options``) against one
     fp64 reference step from the same decoded masters and states (also tests/test_gpu.py). With
     ``gradient_format``, from the FP8 gradients the step reads (``ref_fp8_gradient``)."""
     model = mlp().to(device)
@@ -262,70 +263,85 @@ def check_one_step_against_fp64_reference(cls, kwargs, algo, device, compile_opt
     flash_inductor.prepare(model, opt, state_bits=8, min_quantized_numel=1, compile_options=compile_options,
                            gradient_format=gradient_format)
     fp8 = {"e5m2": E5M2, "e4m3": E4M3}.get(gradient_format)
+    assert all(isinstance(s, CompandedState) for p in model.parameters() for k, s in opt.state[p].items() if k != "step")
+
+    counts = collections.Counter()
+    for i in range(steps):
+        bf16_grads(model, i)
+        expected = expected_steps(model, opt, algo, fp8)
+        opt.step()
+        opt.zero_grad()
+        counts += compare_with_expected_steps(model, opt, expected, f"step {i}")
+    assert counts["codes_off"] <= MAX_CODE_OFF_BY_ONE * counts["codes"], counts
+    assert counts["masters_off"] <= MAX_MASTERS_OUTSIDE_ONE_CODE * counts["masters"], counts
+    assert counts["hi_differs"] <= 1e-4 * counts["masters"], counts
+    assert counts["scales_differ"] <= 1e-2 * counts["codes"] / GROUP, counts
+    assert counts["ambiguous"] <= 1e-4 * counts["masters"], counts
+    return model, opt
+
+
+def expected_steps(model, opt, algo, fp8=None):
+    """One fp64 reference step (``ref_one_step``) of each parameter of the prepared ``model``/``opt`` with a
+    gradient and 8-bit states only, from its decoded master, decoded states and ``.grad`` (``fp8``: the
+    gradient as that FP8 store holds it): {p: (gradient, master, new master, new states, size, ambiguous)}."""
     record = roles.PREPARED[opt]
     hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
     hyper["lr"] = float(hyper["lr"])  # the fp32 lr tensor prepare made: its exact value
-    assert all(isinstance(s, CompandedState) for p in model.parameters() for k, s in opt.state[p].items() if k != "step")
+    expected = {}
+    for p in model.parameters():
+        state = opt.state[p]
+        states = {k: s for k, s in state.items() if k != "step"}
+        if p.grad is None or not states or not all(isinstance(s, CompandedState) for s in states.values()):
+            continue
+        master = ref_split_decode(p.detach(), record.error_term(p), 127)
+        states = {k: ref_decode_state(s.codes, s.scales, p.shape, s.kind) for k, s in states.items()}
+        step = float(state["step"]) + 1 if "step" in state else None
+        g = p.grad.double() if fp8 is None else ref_fp8_gradient(p.grad, fp8)
+        expected[p] = (p.grad.clone(), master, *ref_one_step(algo, hyper, master, g, states, step))
+    return expected
 
-    n_codes = codes_off = n_master = master_off = hi_differs = scale_differs = n_ambiguous = 0
-    for i in range(STEPS):
-        bf16_grads(model, i)
-        expected = {}
-        for p in model.parameters():
-            state = opt.state[p]
-            master = ref_split_decode(p.detach(), record.error_term(p), 127)
-            states = {
-                k: ref_decode_state(s.codes, s.scales, p.shape, s.kind)
-                for k, s in state.items() if isinstance(s, CompandedState)
-            }
-            step = float(state["step"]) + 1 if "step" in state else None
-            g = p.grad.double() if fp8 is None else ref_fp8_gradient(p.grad, fp8)
-            expected[p] = (master, *ref_one_step(algo, hyper, master, g, states, step))
-        grads = {p: p.grad.clone() for p in model.parameters()}
-        opt.step()
-        opt.zero_grad()
 
-        for p in model.parameters():
-            old, new, new_states, size, ambiguous = expected[p]
-            got = ref_split_decode(p.detach(), record.error_term(p), 127)
-            hi_ref, _, k_ref = ref_split_encode(new, 127)
-            code_step = torch.exp2(k_ref) / 127
-            fp32_slack = FP32_ALLOWANCE_ULPS * 2.0**-24 * size
-            diff = (got - new).abs()
-            check = ~ambiguous
-            bad = ((diff > code_step + fp32_slack) & check).flatten()
-            if bad.any():
-                at = int(bad.nonzero()[0])
-                flat = lambda t: t.flatten()[at].item()  # noqa: E731
-                raise AssertionError(
-                    f"step {i}: {int(bad.sum())} of {bad.numel()} masters of a {tuple(p.shape)} parameter off by up to "
-                    f"{(diff / code_step)[check].max().item():.3g} code steps; first at {at}: before {flat(old)!r} grad "
-                    f"{flat(grads[p])!r} got {flat(got)!r} expected {flat(new)!r} "
-                    f"states {[(k, flat(v)) for k, v in new_states.items()]}")
-            master_off += (diff > code_step)[check].sum().item()
-            n_master += check.sum().item()
-            n_ambiguous += ambiguous.sum().item()
-            hi_differs += (p.detach().double() != hi_ref).sum().item()
+def compare_with_expected_steps(model, opt, expected, label):
+    """The masters and states stored after a step against ``expected_steps`` from before it: every master
+    within one error-code step of the fp64 one plus ``FP32_ALLOWANCE_ULPS`` of its size (ambiguous ones
+    aside), every state code within one of the fp64 encode, every scale within an fp16 ulp; an
+    AssertionError names the first miss. Returns the counts the callers bound (a Counter)."""
+    record = roles.PREPARED[opt]
+    counts = collections.Counter()
+    for p, (grad, old, new, new_states, size, ambiguous) in expected.items():
+        got = ref_split_decode(p.detach(), record.error_term(p), 127)
+        hi_ref, _, k_ref = ref_split_encode(new, 127)
+        code_step = torch.exp2(k_ref) / 127
+        fp32_slack = FP32_ALLOWANCE_ULPS * 2.0**-24 * size
+        diff = (got - new).abs()
+        check = ~ambiguous
+        bad = ((diff > code_step + fp32_slack) & check).flatten()
+        if bad.any():
+            at = int(bad.nonzero()[0])
+            flat = lambda t: t.flatten()[at].item()  # noqa: E731
+            raise AssertionError(
+                f"{label}: {int(bad.sum())} of {bad.numel()} masters of a {tuple(p.shape)} parameter off by up to "
+                f"{(diff / code_step)[check].max().item():.3g} code steps; first at {at}: before {flat(old)!r} grad "
+                f"{flat(grad)!r} got {flat(got)!r} expected {flat(new)!r} "
+                f"states {[(k, flat(v)) for k, v in new_states.items()]}")
+        counts["masters_off"] += (diff > code_step)[check].sum().item()
+        counts["masters"] += check.sum().item()
+        counts["ambiguous"] += ambiguous.sum().item()
+        counts["hi_differs"] += (p.detach().double() != hi_ref).sum().item()
 
-            for key, s in opt.state[p].items():
-                if not isinstance(s, CompandedState):
-                    continue
-                codes_ref, scales_ref = ref_state_encode(new_states[key], s.kind)
-                dq = (s.codes.long().flatten() - codes_ref).abs()
-                assert dq.max() <= 1, f"step {i} {key}: codes {dq.max().item()} steps off"
-                codes_off += (dq == 1).sum().item()
-                n_codes += dq.numel()
-                scales = s.scales.double()
-                fp16_ulp = torch.exp2(ulp_log2(scales_ref, FP16))
-                assert ((scales - scales_ref).abs() <= fp16_ulp).all(), f"step {i} {key}: scales"
-                scale_differs += (scales != scales_ref).sum().item()
-
-    assert codes_off <= MAX_CODE_OFF_BY_ONE * n_codes, (codes_off, n_codes)
-    assert master_off <= MAX_MASTERS_OUTSIDE_ONE_CODE * n_master, (master_off, n_master)
-    assert hi_differs <= 1e-4 * n_master, hi_differs
-    assert scale_differs <= 1e-2 * n_codes / GROUP, scale_differs
-    assert n_ambiguous <= 1e-4 * n_master, n_ambiguous
-    return model, opt
+        for key, s in opt.state[p].items():
+            if not isinstance(s, CompandedState):
+                continue
+            codes_ref, scales_ref = ref_state_encode(new_states[key], s.kind)
+            dq = (s.codes.long().flatten() - codes_ref).abs()
+            assert dq.max() <= 1, f"{label} {key}: codes {dq.max().item()} steps off"
+            counts["codes_off"] += (dq == 1).sum().item()
+            counts["codes"] += dq.numel()
+            scales = s.scales.double()
+            fp16_ulp = torch.exp2(ulp_log2(scales_ref, FP16))
+            assert ((scales - scales_ref).abs() <= fp16_ulp).all(), f"{label} {key}: scales"
+            counts["scales_differ"] += (scales != scales_ref).sum().item()
+    return counts
 
 
 # ============================================================================ 3. Inductor vs eager rewrite

@@ -1,0 +1,74 @@
+"""What the hand-written AdamW kernel (flash_inductor/triton_adam.py) executes per element, without a GPU.
+
+Compiles ``_adam_kernel`` for sm_90 (H100/H200) with the ptxas that ships with Triton's NVIDIA
+backend, for each launch shape given, as the flat step launches it for bf16 weights with int8 error
+terms and 8-bit states (AdamW, one step count per bucket; pointers 16-byte aligned and the group count
+a multiple of 16, as Triton specializes them), and prints its registers and SASS instructions per
+element: in all (issue slots; four warp instructions per clock and SM) and those of the unit that runs
+MUFU and every conversion (I2F, F2I, FRND, F2F: 16 results per clock and SM on sm_90, an eighth of the
+fp32 rate), by opcode. Without persistent loops the kernel is straight-line code, so the static
+counts over the elements a thread holds are the executed ones. Needs triton (and no GPU):
+
+    python benchmarks/adam_kernel_sass.py --shapes block64_warps4,block64_warps4_approx
+"""
+
+import argparse
+import collections
+import re
+import subprocess
+
+import torch
+from kernel_resources import _tool
+
+from flash_inductor import triton_adam
+from flash_inductor.triton_adam import LaunchShape
+
+ARGUMENT_TYPES = dict(weights="*bf16", errors="*i8", grads="*bf16", m_codes="*i8", m_scales="*fp16", v_codes="*u8",
+                      v_scales="*fp16", beta_powers="*fp64", active="*i1", num_groups="i32", lr="fp32",
+                      one_minus_beta1="fp32", beta2="fp32", one_minus_beta2="fp32", eps="fp32", weight_decay="fp32")
+CONVERSION_UNIT = {"MUFU", "I2F", "F2I", "FRND", "F2F"}  # opcodes (I2FP and F2FP, the packed forms, run elsewhere)
+
+
+def compile_sm90(shape):
+    """The cubin of ``_adam_kernel`` launched as ``shape`` (triton.compile for an sm_90 target)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constants = triton_adam.kernel_constants(shape, torch.bfloat16, True, False, True, False)
+    names = triton_adam._adam_kernel.arg_names
+    signature = {name: ARGUMENT_TYPES.get(name, "constexpr") for name in names}
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in ARGUMENT_TYPES.items() if t[0] == "*" or n == "num_groups"}
+    source = ASTSource(triton_adam._adam_kernel, signature, {(names.index(k),): v for k, v in constants.items()}, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": shape.num_warps}).asm["cubin"]
+
+
+def sass_counts(cubin, path="/tmp/adam_kernel_sm90.cubin"):
+    """(registers, Counter of SASS opcodes with their modifiers, e.g. ``MUFU.RCP``)."""
+    with open(path, "wb") as f:
+        f.write(cubin)
+    usage = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+    sass = subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True).stdout
+    ops = collections.Counter(m[1] for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
+    return int(re.search(r"REG:(\d+)", usage)[1]), ops
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="block64_warps4,block64_warps4_approx",
+                        help="comma list of triton_adam.LaunchShape names (no persistent ones: their loop is not unrolled)")
+    parser.add_argument("--top", type=int, default=12, help="opcodes listed per shape")
+    args = parser.parse_args()
+    for name in args.shapes.split(","):
+        shape = LaunchShape.from_name(name)
+        per_thread = shape.block_groups * 32 // (32 * shape.num_warps)
+        registers, ops = sass_counts(compile_sm90(shape))
+        unit = {op: n for op, n in ops.items() if op.split(".")[0] in CONVERSION_UNIT}
+        print(f"{shape.name}: {registers} registers, {per_thread} elements per thread, per element "
+              f"{sum(ops.values()) / per_thread:.1f} instructions, {sum(unit.values()) / per_thread:.2f} on the "
+              f"conversion/MUFU unit ({', '.join(f'{op} {n / per_thread:.2g}' for op, n in sorted(unit.items()))})")
+        print("  " + ", ".join(f"{op} {n / per_thread:.2g}" for op, n in ops.most_common(args.top)))
+
+
+if __name__ == "__main__":
+    main()
