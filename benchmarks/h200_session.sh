@@ -56,7 +56,7 @@
 #   hfllamafp8 issue 14: the Llama's FP8 loss gap: our FP8 pass on the fp32-master baseline (baseline_fp8),
 #              to set against torchao_float8 (+1.86%) and flashoptim_fp8_fp32states (+5.03%); before it, the
 #              rows FlashOptim 0.1.4 and gradient release (one compiled step per parameter layout)
-#   hfllamacausal issue 14: the speed of the Llama's first three rows (60 steps, profiled) with SDPA's
+#   hfllamacausal issue 14: the speed of the Llama's baseline and FP8 rows (60 steps, profiled) with SDPA's
 #              is_causal (flash attention) in place of the explicit causal mask that transformers passes
 #              under torch.compile before torch 2.14
 #   hfsnapshot issue 14: who holds the memory between steps, HF GPT-2 124M: baseline and flashoptim
@@ -227,7 +227,9 @@ case $stage in
       --configs "torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_pypi,$fastest"
     ;;
   arith13)
-    timeout 210 python -m pytest -v -m gpu tests/test_gpu.py -k triton 2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_arith13_h200.log"
+    # every GPU test of the step: the kernel's (both arithmetics) and gradient release's (one step per layout)
+    timeout 200 python -m pytest -v -m gpu tests/test_gpu.py tests/test_gradient_release.py 2>&1 | grep -v "^DEBUG" \
+      > "$out/gpu_tests_arith13_h200.log"
     tail -4 "$out/gpu_tests_arith13_h200.log"
     # the default and 32 x 2 (the fastest exact layouts), with and without approx, first; then approx on the next
     # fastest exact layouts of launch13's sweep (16 x 2 x vector 8, 16 x 2, 32 x 4 x vector 8, 64 x 8 x vector 8)
@@ -248,8 +250,8 @@ case $stage in
     logged hf_clients_llama_more2_h200 560 hf_clients.py --model llama --configs flashoptim_pypi,flashoptim_release,baseline_fp8
     ;;
   hfllamacausal)
-    logged hf_clients_llama_causal_h200 520 hf_clients.py --model llama --attention is_causal \
-      --configs baseline,flashoptim,flashoptim_fp8 --steps 60 --log-every 20 --profile 3
+    logged hf_clients_llama_causal_h200 400 hf_clients.py --model llama --attention is_causal \
+      --configs baseline,flashoptim_fp8 --steps 60 --log-every 20 --profile 3
     ;;
   hfllamapeers)
     logged hf_clients_llama_more_h200 570 hf_clients.py --model llama \
