@@ -234,11 +234,15 @@ def _kernel_runs(step_kernel, **prepare_kwargs):
     return model, opt
 
 
+@pytest.mark.parametrize("launch", ARITHMETICS[:2])
 @pytest.mark.parametrize("master_weight_bits", [24, None])
-def test_triton_step_agrees_with_inductor_step_and_skips_parameters_without_gradient(master_weight_bits):
-    """From the same state the hand-written kernel and Inductor's compiled stock update give masters
-    within one code step and state codes within one; a parameter without a gradient keeps every bit
-    and its step count in both, also once the bucket's step counts became per group."""
+def test_triton_step_agrees_with_inductor_step_and_skips_parameters_without_gradient(master_weight_bits, launch,
+                                                                                     monkeypatch):
+    """From the same state the hand-written kernel (exact or ``approx``) and Inductor's compiled stock
+    update give masters within one code step and state codes within one; a parameter without a
+    gradient keeps every bit and its step count in both, also once the bucket's step counts became
+    per group."""
+    monkeypatch.setattr(triton_adam, "LAUNCH", triton_adam.LaunchShape.from_name(launch))
     runs = {k: _kernel_runs(k, master_weight_bits=master_weight_bits) for k in ("triton", "inductor")}
     for step in range(4):
         grads = [torch.randn_like(p) * 1e-2 for p in runs["triton"][0].parameters()]
