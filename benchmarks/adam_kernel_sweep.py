@@ -5,7 +5,8 @@ built once and stepped once. Then for each ``triton_adam.LaunchShape`` of the gr
 set back to the state saved after that step, one step runs with the shape (compiling it) and its stored bytes
 (weights, error terms, state codes and scales, step counts) are compared with those of one step of
 the default shape from the same state: a launch shape must not change a bit. A shape whose bytes may
-differ (``approx``: cheaper arithmetic) is held to the fp64 reference step instead, with the tests'
+differ (the other arithmetic than the default's: with or without ``approx``) is held to the fp64
+reference step instead, with the tests'
 tolerances (tests/test_optimizer_numerics.py: states within one code, masters within one error-code
 step), and its row counts the stored values that differ from the default's step. Then
 ``opt.step()`` is timed (median, optimizer_step.time_ms) and the kernel's own time read from the

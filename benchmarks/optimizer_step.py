@@ -130,7 +130,8 @@ def main():
                              "triton_adam.LaunchShape: flashoptim_block{B}_warps{W}[_vector{V}][_evict][_persist{K}][_stages{S}]"
                              "[_approx] (B groups of 32 per block, W warps, V contiguous elements per thread, evict-first loads "
                              "and streaming stores, persistent with K programs per SM, S pipeline stages of its loop, the "
-                             "cheaper arithmetic; parts in any order, those left out default, e.g. "
+                             "cheaper arithmetic; parts in any order, those left out default, but without approx the exact "
+                             "arithmetic, e.g. "
                              "flashoptim_block32_warps2_vector8_evict_persist4_stages2)")
     args = parser.parse_args()
     for name in set(args.configs.split(",")) - set(configs_for([])):  # before measuring anything

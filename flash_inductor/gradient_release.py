@@ -134,7 +134,7 @@ def _layout(t):
 
 def _stored(t):
     """The tensors that hold ``t``: a StateTensor's inner tensors, or ``t`` itself."""
-    return [getattr(t, key) for key in t._inner] if isinstance(t, StateTensor) else [t]
+    return t.inner_tensors() if isinstance(t, StateTensor) else [t]
 
 
 def _stored_tensors(param, error, state):

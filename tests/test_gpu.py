@@ -141,7 +141,7 @@ ADAM_CASES = {
 }
 
 
-# the default arithmetic and the cheaper one (issue 13's numerics policy), the cheaper one on another layout too
+# the exact arithmetic and the cheaper one (the default; issue 13's numerics policy), the cheaper one on another layout too
 ARITHMETICS = ["block64_warps4", "block64_warps4_approx", "block32_warps2_vector8_approx"]
 
 

@@ -53,15 +53,19 @@ class StateTensor(torch.Tensor):
         memo[id(self)] = copied
         return copied
 
+    def inner_tensors(self):
+        """The tensors that store it, in ``_inner``'s order (codes or values first)."""
+        return [getattr(self, k) for k in self._inner]
+
     def stored_bytes(self):
         """Bytes of its inner tensors: ``{"states": codes or values, "state_scales": scales and
         their layout}`` (what ``memory_report`` shows)."""
-        values, *scales = (getattr(self, k) for k in self._inner)
+        values, *scales = self.inner_tensors()
         return {"states": _nbytes(values), "state_scales": sum(_nbytes(t) for t in scales)}
 
     def _rebuild(self, fn):
         """The same state with ``fn`` applied to each inner tensor."""
-        return type(self)(*(fn(getattr(self, k)) for k in self._inner), *self._meta(), shape=self.shape, dtype=self.dtype)
+        return type(self)(*map(fn, self.inner_tensors()), *self._meta(), shape=self.shape, dtype=self.dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
