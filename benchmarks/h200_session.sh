@@ -59,6 +59,11 @@
 #   hfllamacausal issue 14: the speed of the Llama's baseline and FP8 rows (60 steps, profiled) with SDPA's
 #              is_causal (flash attention) in place of the explicit causal mask that transformers passes
 #              under torch.compile before torch 2.14
+#   hfllamaseeds  issue 14: the Llama's loss over seeds (300 steps, transformers' mask as in the seed-0 rows):
+#              RUNS="config:seed ..." each its own process, all at once on the one GPU (their times are not their own,
+#              their losses and memory are), merged with hf_clients.py --report-from into NAME (one JSON, one log)
+#   hfllamagraphs issue 14: the Llama's speed with SDPA's is_causal: the baseline against the FP8 rows with
+#              cudagraphs=True (GRAPH_CONFIGS), 60 steps, profiled; first the GPU tests of CUDA graphs and FP8
 #   hfsnapshot issue 14: who holds the memory between steps, HF GPT-2 124M: baseline and flashoptim
 #   gptsnapshot   the same for our GPT (train_gpt.py's, 124m shape): flashoptim
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
@@ -252,6 +257,28 @@ case $stage in
   hfllamacausal)
     logged hf_clients_llama_causal_h200 400 hf_clients.py --model llama --attention is_causal \
       --configs baseline,flashoptim_fp8 --steps 60 --log-every 20 --profile 3
+    ;;
+  hfllamaseeds)
+    name=${NAME:-hf_clients_llama_seeds_h200} runs_dir=/tmp/hfseeds
+    mkdir -p "$runs_dir"
+    # shellcheck disable=SC2086  # RUNS is a list
+    for run in ${RUNS:-baseline:1 baseline:2 flashoptim:1 flashoptim:2 flashoptim+fp32act:0 flashoptim+fp32act:1}; do
+      config=${run%:*} seed=${run#*:}
+      # 16 cores for all the runs' compiles at once; a block freed by one run is not kept from the others
+      TORCHINDUCTOR_COMPILE_THREADS=4 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${LIMIT:-540}" \
+        python benchmarks/hf_clients.py --model llama --configs "$config" --seed "$seed" --shared-gpu --log-every 50 \
+        --out "$runs_dir/${config}_s$seed.json" > "$runs_dir/${config}_s$seed.log" 2>&1 &
+    done
+    wait
+    for log in "$runs_dir"/*.log; do echo "== $log"; grep -v "^W1\|^  warnings" "$log" | tail -n 25; done > "$out/$name.log"
+    python benchmarks/hf_clients.py --report-from "$runs_dir"/*.json --out "$out/$name.json" 2>&1 | tee -a "$out/$name.log"
+    ;;
+  hfllamagraphs)
+    timeout 150 python -m pytest -v -m gpu tests/test_gpu.py -k "cudagraphs or fp8_transpose or compiled_fp8" 2>&1 \
+      | grep -v "^DEBUG" > "$out/gpu_tests_cudagraphs_h200.log"
+    tail -4 "$out/gpu_tests_cudagraphs_h200.log"
+    logged hf_clients_llama_graphs_h200 420 hf_clients.py --model llama --attention is_causal \
+      --configs "${GRAPH_CONFIGS:-baseline,flashoptim_fp8+cudagraphs,flashoptim_fp8+fp32act+cudagraphs}" --steps 60 --log-every 20 --profile 3
     ;;
   hfllamapeers)
     logged hf_clients_llama_more_h200 570 hf_clients.py --model llama \

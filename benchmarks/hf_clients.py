@@ -346,15 +346,17 @@ def warm_up_cublas(device):
     a.grad = None
 
 
-def targets(runs, num_params):
-    """Issue 14's targets, per flashoptim row, against the baseline row (None where not measured)."""
+def targets(runs, num_params, seeds=None):
+    """Issue 14's targets, per flashoptim row, against the baseline row (None where not measured);
+    the loss against the baseline's mean over seeds where both ran several (``seed_summary``).
+    Runs of other seeds give none; runs that shared the GPU no speed-up."""
     base = runs.get("baseline")
     if base is None:
         return {}
     saving = 0.9 * (16 - 7.13) * num_params
     out = {}
     for name, r in runs.items():
-        if not name.startswith("flashoptim") or name == "flashoptim_pypi":
+        if not name.startswith("flashoptim") or name == "flashoptim_pypi" or "@seed" in name:
             continue
         t = {}
         if r["steady_peak_bytes"] is not None:
@@ -362,9 +364,13 @@ def targets(runs, num_params):
             t["steady_peak_ok"] = r["steady_peak_bytes"] <= t["steady_peak_at_most_bytes"]
             t["startup_peak_ok"] = r["startup_peak_bytes"] <= 1.1 * r["steady_peak_bytes"]
             t["between_steps_ok"] = abs(r["between_steps_vs_report"] - 1) <= 0.05
-        t["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        if not r.get("shared_gpu") and not base.get("shared_gpu"):
+            t["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         t["last50_loss_vs_baseline"] = r["last50_loss"] / base["last50_loss"] - 1
-        t["loss_ok"] = abs(t["last50_loss_vs_baseline"]) <= 0.01
+        over_seeds = (seeds or {}).get(name, {}).get("mean_vs_baseline_mean")
+        if over_seeds is not None:
+            t["last50_loss_vs_baseline_over_seeds"] = over_seeds
+        t["loss_ok"] = abs(t["last50_loss_vs_baseline"] if over_seeds is None else over_seeds) <= 0.01
         out[name] = t
     return out
 
@@ -477,7 +483,8 @@ def snapshot_configuration(name, corpus, args, device, folder):
 # ---------------------------------------------------------------------------------------- report
 
 
-def print_table(runs, baseline=None):
+def print_table(runs):
+    """Every run, its loss against the baseline run of its seed."""
     mib = 2**20
 
     def m(v):
@@ -488,13 +495,15 @@ def print_table(runs, baseline=None):
     rows = [header]
     for name, r in runs.items():
         ratio = r["between_steps_vs_report"]
+        baseline = runs.get(run_key("baseline", r.get("seed", 0)))
         rel = "" if baseline is None else f"{(r['last50_loss'] / baseline['last50_loss'] - 1) * 100:+.2f}%"
-        rows.append((name, f"{r['first_step_s']:.1f}", f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
-                     m(r["startup_peak_bytes"]), m(r["steady_peak_bytes"]), m(r["between_steps_max_bytes"]),
-                     m(r["report_without_grads_bytes"]), "-" if ratio is None else f"{ratio:.3f}",
-                     f"{r['last50_loss']:.4f}", rel))
+        times = ("shared GPU",) * 3 if r.get("shared_gpu") else (
+            f"{r['first_step_s']:.1f}", f"{r['median_step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}")
+        rows.append((name, *times, m(r["startup_peak_bytes"]), m(r["steady_peak_bytes"]), m(r["between_steps_max_bytes"]),
+                     m(r["report_without_grads_bytes"]), "-" if ratio is None else f"{ratio:.3f}", f"{r['last50_loss']:.4f}", rel))
     print_aligned(rows)
-    print("memory in MiB above each row's starting allocation; report = memory_report without gradients")
+    print("memory in MiB above each row's starting allocation; report = memory_report without gradients; "
+          "shared GPU: trained while other runs shared the GPU (its times are not its own)")
 
 
 def save_plots(results, folder, prefix=""):
@@ -571,6 +580,8 @@ def parse_args(argv):
     parser.add_argument("--lr-warmup", type=int, help="steps of linear LR warm-up (default: a tenth of --steps)")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: none)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="other runs share the GPU (several seeds at once): its times are not reported as measured")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-inductor", action="store_true",
@@ -602,28 +613,80 @@ def parse_args(argv):
     return args
 
 
+# What must match for runs of several result files to be compared.
+SAME_SETUP = ("model", "size", "num_params", "batch", "seq", "steps", "lr", "lr_warmup", "clip")
+
+
+def run_key(name, seed):
+    """A run's name in merged results: its configuration, and its seed where that is not 0."""
+    return name if seed == 0 else f"{name}@seed{seed}"
+
+
 def merge(paths):
-    """The runs of several result files of one model (a run made in parts) as one result."""
+    """The runs of several result files of one setup (a run made in parts, or other seeds) as one
+    result. A run made while others shared the GPU (``--shared-gpu``) keeps that mark: its times are
+    not its own (its memory is: allocator statistics are per process)."""
     results = None
     for path in paths:
         part = json.loads(pathlib.Path(path).read_text())
-        part.setdefault("failed", {})
+        info = part["info"]
+        setup = {k: info.get(k) for k in SAME_SETUP} | {"attention": info.get("attention", "mask")}
+        runs = {run_key(name, info["seed"]): {**r, "seed": info["seed"], "shared_gpu": info.get("shared_gpu", False)}
+                for name, r in part["runs"].items()}
         if results is None:
-            results = part
-        elif (part["info"]["model"], part["info"]["num_params"]) != (results["info"]["model"], results["info"]["num_params"]):
-            raise ValueError(f"{path}: another model ({part['info']['model']}) than {paths[0]}")
-        else:
-            results["runs"].update(part["runs"])
-            results["skipped"].update(part["skipped"])
-            results["failed"].update(part["failed"])
+            results, first_setup = {**part, "runs": runs, "failed": part.get("failed", {})}, setup
+            continue
+        if setup != first_setup:
+            raise ValueError(f"{path}: another setup than {paths[0]}: "
+                             + ", ".join(f"{k} {setup[k]} vs {first_setup[k]}" for k in setup if setup[k] != first_setup[k]))
+        results["runs"].update(runs)
+        results["skipped"].update(part["skipped"])
+        results["failed"].update(part.get("failed", {}))
     return results
+
+
+def seed_summary(runs):
+    """For each configuration run with several seeds: the last-50 losses by seed, their mean and
+    standard deviation, and each seed's difference from the baseline run with the same seed (the
+    same initial weights and batches)."""
+    losses = {}
+    for key, r in runs.items():
+        name, _, seed = key.partition("@seed")
+        losses.setdefault(name, {})[int(seed or 0)] = r["last50_loss"]
+    base = losses.get("baseline", {})
+    summary = {}
+    for name, by_seed in losses.items():
+        if len(by_seed) < 2:
+            continue
+        values = [by_seed[s] for s in sorted(by_seed)]
+        summary[name] = dict(last50_loss_by_seed={str(s): by_seed[s] for s in sorted(by_seed)}, mean=statistics.mean(values),
+                             std=statistics.stdev(values),
+                             vs_baseline_by_seed={str(s): by_seed[s] / base[s] - 1 for s in sorted(by_seed) if s in base})
+        if len(base) >= 2:
+            summary[name]["mean_vs_baseline_mean"] = summary[name]["mean"] / statistics.mean(base.values()) - 1
+    return summary
+
+
+def print_seed_summary(summary):
+    if not summary:
+        return
+    rows = [("configuration", "seeds", "last-50 loss by seed", "mean ± std", "vs baseline's mean", "vs baseline, seed by seed")]
+    for name, s in summary.items():
+        rel = s.get("mean_vs_baseline_mean")
+        rows.append((name, ",".join(s["last50_loss_by_seed"]), " ".join(f"{v:.4f}" for v in s["last50_loss_by_seed"].values()),
+                     f"{s['mean']:.4f} ± {s['std']:.4f}", "" if rel is None else f"{rel * 100:+.2f}%",
+                     " ".join(f"{v * 100:+.2f}%" for v in s["vs_baseline_by_seed"].values())))
+    print()
+    print_aligned(rows)
 
 
 def report(results, args):
     """The targets (into ``results``), the table, and the plots under ``--plot``."""
-    results["targets"] = targets(results["runs"], results["info"]["num_params"])
+    results["seeds"] = seed_summary(results["runs"])
+    results["targets"] = targets(results["runs"], results["info"]["num_params"], results["seeds"])
     print()
-    print_table(results["runs"], results["runs"].get("baseline"))
+    print_table(results["runs"])
+    print_seed_summary(results["seeds"])
     for name, t in results["targets"].items():
         print(f"targets {name}: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in t.items()))
     for kind in ("skipped", "failed"):
@@ -648,7 +711,7 @@ def main(argv=None):
         num_params = sum(p.numel() for p in build_model(args.model, args.config).parameters())
     info = dict(model=args.model, size=args.size, attention=args.attention, num_params=num_params, vocab=vocab_size(args.model, args.config),
                 batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, lr_warmup=args.lr_warmup,
-                clip=args.clip, seed=args.seed, no_inductor=args.no_inductor, torch=torch.__version__,
+                clip=args.clip, seed=args.seed, shared_gpu=args.shared_gpu, no_inductor=args.no_inductor, torch=torch.__version__,
                 transformers=None if transformers is None else transformers.__version__, python=platform.python_version(),
                 date=time.strftime("%Y-%m-%d %H:%M"), commit=git_commit(), corpus=corpus.info,
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})")

@@ -44,6 +44,11 @@ class Options:
         ``fp8="tensorwise"``.
     fp8_collectives: gradient all-reduces (sum/avg) send e4m3 bytes with one scale agreed by all
         ranks (``passes/fp8_collectives.py``).
+    cudagraphs: CUDA-graph the model's graphs (forward and backward; Inductor's cudagraph trees): each
+        replays as one launch, so a step of many small kernels and GEMMs stops waiting on the CPU.
+        Graphs that update parameters (the optimizer step) or read gradients (gradient clipping)
+        are left out: their inputs are not at fixed addresses, so the graph would copy every gradient
+        into a pool of its own each step (+2 B/param). ``mode="reduce-overhead"`` sets it.
     step_kernel: "triton" runs the flat Adam/AdamW step of each eligible CUDA bucket (8-bit states,
         24-bit or no masters) as the hand-written kernel of ``flash_inductor/triton_adam.py``;
         "inductor" compiles the stock update for every bucket (the reference; always on the CPU).
@@ -62,6 +67,7 @@ class Options:
     fp8_filter: Any = None
     fp8_all_gather: bool = False
     fp8_collectives: bool = False
+    cudagraphs: bool = False
     step_kernel: str = "triton"
 
     @classmethod
@@ -102,6 +108,7 @@ class Options:
             fp8_filter=_callable(options, "fp8_filter", "a callable taking a module name"),
             fp8_all_gather=fp8_all_gather,
             fp8_collectives=_flag(options, "fp8_collectives"),
+            cudagraphs=_flag(options, "cudagraphs"),
             step_kernel=_choice(options, "step_kernel", ("triton", "inductor"), cls.step_kernel),
         )
 

@@ -346,3 +346,38 @@ def test_fp8_gradients_step_matches_fp64_reference_on_inductors_kernel(gradient_
                                                        gradient_format=gradient_format)
     reasons = [triton_adam.ineligible(b, b.optimizer) for b in roles.PREPARED[opt].buckets]
     assert reasons and all("FP8 gradients" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("fp8", [None, "tensorwise"])
+def test_cudagraphs_train_step_stores_the_bits_of_the_ordinary_one(fp8):
+    """``cudagraphs=True``: the forward and backward replay as CUDA graphs (none skipped), while the
+    clipping and the step run as before, and four steps store exactly what the same steps store
+    without CUDA graphs (the same kernels, replayed)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    runs = []
+    for cudagraphs in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.RMSNorm(512), nn.Linear(512, 256, bias=False)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+        @flash_inductor.train_step(model=model, optimizer=opt, cudagraphs=cudagraphs, fp8=fp8, fp8_min_weight_numel=0)
+        def step(x):
+            loss = model(x).float().square().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        torch.manual_seed(1)
+        losses = [step(torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)).item() for _ in range(4)]
+        runs.append((losses, stored_bits(model, opt)))
+        if cudagraphs:
+            assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+            assert cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False).roots
+    assert runs[0][0] == runs[1][0]
+    assert_same_bits(runs[0][1], runs[1][1])

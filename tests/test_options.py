@@ -100,6 +100,59 @@ def test_the_users_pass_is_part_of_the_uuid_and_one_without_uuid_bypasses_the_ca
     assert _uuid((CountingPass("a"), lambda graph: None)) is None
 
 
+# ---------------------------------------------------------------------------- CUDA graphs
+
+
+class CudagraphsPass(CountingPass):
+    """Also records whether Inductor compiles the graph with CUDA graphs."""
+
+    def __call__(self, graph):
+        super().__call__(graph)
+        self.seen[-1].add(("cudagraphs", torch._inductor.config.triton.cudagraphs))
+
+
+def test_cudagraphs_reach_the_models_graphs_not_the_step_or_the_clipping():
+    """The clipping graph reads the gradients and the step writes the parameters: neither may be
+    CUDA-graphed (each would copy every gradient into the graph's pool). On the CPU Inductor then
+    skips CUDA graphs, but the config it compiles with shows which graphs were asked for them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    user_pass = CudagraphsPass()
+
+    @flash_inductor.train_step(model=model, optimizer=opt, cudagraphs=True, inductor={"post_grad_custom_post_pass": user_pass})
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step(torch.randn(8, 64, dtype=torch.bfloat16))
+    aten = torch.ops.aten
+    kinds = {  # an op only that graph has
+        "forward": aten.relu.default,
+        "backward": aten.le.Scalar,  # relu's derivative
+        "clipping": aten._foreach_norm.Scalar,
+        "step": aten.addcdiv.default,
+    }
+    asked = {kind: [("cudagraphs", True) in seen for seen in user_pass.seen if op in seen] for kind, op in kinds.items()}
+    assert asked == {"forward": [True], "backward": [True], "clipping": [False], "step": [False]}, user_pass.seen
+
+
+def test_mode_reduce_overhead_is_the_cudagraphs_option(monkeypatch):
+    from flash_inductor import backend
+
+    received = []
+    monkeypatch.setattr(backend, "compile_graph", lambda gm, inputs, options: received.append(options))
+    backend.flashoptim_backend(None, [], mode="reduce-overhead")
+    backend.flashoptim_backend(None, [], options={"fp8": "tensorwise"})
+    assert [o.cudagraphs for o in received] == [True, False]
+    with pytest.raises(ValueError, match="mode='max-autotune' is not supported; use mode='reduce-overhead'"):
+        backend.flashoptim_backend(None, [], mode="max-autotune")
+
+
 # ---------------------------------------------------------------------------- validation
 
 
@@ -121,6 +174,7 @@ def test_the_users_pass_is_part_of_the_uuid_and_one_without_uuid_bypasses_the_ca
     ("fp8_filter", 3, "callable"),
     ("fp8_fast_accum", 1, "True or False"),
     ("step_kernel", "cuda", "'triton' or 'inductor'"),
+    ("cudagraphs", "yes", "True or False"),
 ])
 def test_a_bad_option_names_the_option_the_value_and_what_is_expected(name, value, expected):
     with pytest.raises(ValueError) as info:
