@@ -234,12 +234,12 @@ def fp8_options(args):
     return dict(fp8="tensorwise", fp8_exclude=FP8_EXCLUDE[args.model] + tuple(args.fp8_exclude or ()), **every_eligible)
 
 
-def build_flashoptim_fp8(model, args, **prepare_args):
-    return build_flashoptim(model, args, **fp8_options(args), **prepare_args)
+def build_flashoptim_fp8(model, args, **options):
+    return build_flashoptim(model, args, **fp8_options(args), **options)
 
 
-def build_flashoptim_fp8_fp32states(model, args):
-    return build_flashoptim_fp8(model, args, state_bits=None)
+def build_flashoptim_fp8_fp32states(model, args, **options):
+    return build_flashoptim_fp8(model, args, state_bits=None, **options)
 
 
 def build_baseline_fp8(model, args):
@@ -251,8 +251,8 @@ def build_baseline_fp8(model, args):
     return Setup(model, opt, step, autocast=True, record_fp8=True), args.clip
 
 
-def build_flashoptim_release(model, args):
-    return build_flashoptim(model, args, gradient_release=True)
+def build_flashoptim_release(model, args, **options):
+    return build_flashoptim(model, args, gradient_release=True, **options)
 
 
 def build_flashoptim_pypi(model, args):
@@ -310,12 +310,33 @@ def lr_factor(step, warmup, total, floor=0.1):
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+# Options a flashoptim row takes after its name, joined by "+": flashoptim_fp8+cudagraphs.
+MODIFIERS = {"cudagraphs": dict(cudagraphs=True)}
+
+
+def parse_configuration(name):
+    """(builder, options of the modifiers) of a configuration name, or ValueError saying why not."""
+    base, *modifiers = name.split("+")
+    if base not in CONFIGURATIONS:
+        raise ValueError(f"unknown configuration {base!r}; choose from {list(CONFIGURATIONS)}")
+    unknown = [m for m in modifiers if m not in MODIFIERS]
+    if unknown:
+        raise ValueError(f"{name}: unknown modifier(s) {unknown}; choose from {list(MODIFIERS)}")
+    if modifiers and (not base.startswith("flashoptim") or base == "flashoptim_pypi"):
+        raise ValueError(f"{name}: modifiers are options of our backend, for the flashoptim rows")
+    options = {}
+    for modifier in modifiers:
+        options.update(MODIFIERS[modifier])
+    return CONFIGURATIONS[base], options
+
+
 def build(name, args, device):
     """The configuration's Setup, its clip norm and its LR schedule, from the same initial weights."""
+    builder, options = parse_configuration(name)
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = build_model(args.model, args.config)
-    setup, clip = CONFIGURATIONS[name](model, args)
+    setup, clip = builder(model, args, **options)
     schedule = torch.optim.lr_scheduler.LambdaLR(setup.optimizer, lambda s: lr_factor(s, args.lr_warmup, args.steps))
     return setup, clip, schedule
 
@@ -571,7 +592,8 @@ def parse_args(argv):
     parser.add_argument("--attention", choices=("mask", "is_causal"), default="mask",
                         help="transformers models' SDPA: mask (as transformers runs it under torch.compile before torch "
                              "2.14: an explicit causal mask) or is_causal (no mask: SDPA's flash kernel)")
-    parser.add_argument("--configs", default=",".join(CONFIGURATIONS), help=f"comma list of {', '.join(CONFIGURATIONS)}")
+    parser.add_argument("--configs", default=",".join(CONFIGURATIONS),
+                        help=f"comma list of {', '.join(CONFIGURATIONS)}; a flashoptim row takes modifiers: NAME+{'+'.join(MODIFIERS)}")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=10, help="steps before the timed, steady-state ones")
     parser.add_argument("--batch", type=int, help="sequences per step (default: the model's)")
@@ -597,9 +619,11 @@ def parse_args(argv):
     parser.add_argument("--snapshot", metavar="DIR", help="CUDA: memory snapshot of each configuration instead of training")
     parser.add_argument("--snapshot-entries", type=int, default=100_000, help="allocator events kept by the snapshot")
     args = parser.parse_args(argv)
-    unknown = [c for c in args.configs.split(",") if c not in CONFIGURATIONS]
-    if unknown:
-        parser.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGURATIONS)}")
+    for name in args.configs.split(","):
+        try:
+            parse_configuration(name)
+        except ValueError as e:
+            parser.error(str(e))
     if args.snapshot and not args.device.startswith("cuda"):
         parser.error("--snapshot needs a CUDA GPU: it records the CUDA caching allocator's history")
     if args.size not in DEFAULTS[args.model]:

@@ -236,3 +236,14 @@ def test_attention_option_decides_whether_compiled_sdpa_gets_a_mask(bench, fresh
     assert len(calls) == 2  # one per layer
     assert all((kw.get("attn_mask") is not None, bool(kw.get("is_causal"))) == (masked, not masked) for kw in calls)
     torch.testing.assert_close(loss, bench.lm_loss(model, x, x), rtol=1e-6, atol=0)
+
+
+def test_configuration_modifiers_are_backend_options_of_the_flashoptim_rows(bench):
+    builder, options = bench.parse_configuration("flashoptim_fp8+cudagraphs")
+    assert builder is bench.build_flashoptim_fp8 and options == {"cudagraphs": True}
+    for name, message in (("baseline+cudagraphs", "for the flashoptim rows"), ("flashoptim_pypi+cudagraphs", "for the flashoptim rows"),
+                          ("flashoptim+nope", r"unknown modifier\(s\) \['nope'\]"), ("nope", "unknown configuration 'nope'")):
+        with pytest.raises(ValueError, match=message):
+            bench.parse_configuration(name)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--configs", "baseline,flashoptim+nope"])
