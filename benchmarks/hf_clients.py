@@ -19,6 +19,9 @@ Configurations (``--configs``):
     flashoptim_fp8      flashoptim + FP8 (tensorwise) linears; embeddings and lm_head excluded
     flashoptim_fp8_fp32states  flashoptim_fp8 with fp32 optimizer states (state_bits=None): an ablation
                         of FP8's loss gap
+    flashoptim_fp32act  flashoptim with fp32 activations (prepare's fp32_activations=True: embeddings return
+                        fp32), the forward under bf16 autocast: the baseline's activation precision
+    flashoptim_fp8_fp32act  flashoptim_fp8 with fp32 activations, likewise
     flashoptim_release  flashoptim with gradient release (no clipping: it cannot clip globally)
     flashoptim_pypi     peer: the ``flashoptim`` package's FlashAdamW (24-bit) on a bf16 model
                         (its cast_model); CUDA only
@@ -216,14 +219,16 @@ def build_baseline(model, args):
     return Setup(model, opt, step, autocast=True), args.clip
 
 
-def build_flashoptim(model, args, gradient_release=False, **options):
+def build_flashoptim(model, args, gradient_release=False, fp32_activations=False, **options):
+    """``fp32_activations=True`` runs the forward under autocast, which it needs."""
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args))
     clip = 0 if gradient_release else args.clip
     if args.no_inductor:
         options["compiler"] = "eager"
-    step = flash_inductor.train_step(make_step(loss_function(model, False), model.parameters(), opt, clip), model=model,
-                                     optimizer=opt, gradient_release=gradient_release, **options)
-    return Setup(model, opt, step, record_fp8="fp8" in options), clip
+    loss = loss_function(model, fp32_activations)
+    step = flash_inductor.train_step(make_step(loss, model.parameters(), opt, clip), model=model, optimizer=opt,
+                                     gradient_release=gradient_release, fp32_activations=fp32_activations, **options)
+    return Setup(model, opt, step, autocast=fp32_activations, record_fp8="fp8" in options), clip
 
 
 def fp8_options(args):
@@ -240,6 +245,14 @@ def build_flashoptim_fp8(model, args, **options):
 
 def build_flashoptim_fp8_fp32states(model, args, **options):
     return build_flashoptim_fp8(model, args, state_bits=None, **options)
+
+
+def build_flashoptim_fp32act(model, args):
+    return build_flashoptim(model, args, fp32_activations=True)
+
+
+def build_flashoptim_fp8_fp32act(model, args):
+    return build_flashoptim_fp8(model, args, fp32_activations=True)
 
 
 def build_baseline_fp8(model, args):
@@ -296,6 +309,8 @@ CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args
     "flashoptim": build_flashoptim,
     "flashoptim_fp8": build_flashoptim_fp8,
     "flashoptim_fp8_fp32states": build_flashoptim_fp8_fp32states,
+    "flashoptim_fp32act": build_flashoptim_fp32act,
+    "flashoptim_fp8_fp32act": build_flashoptim_fp8_fp32act,
     "flashoptim_release": build_flashoptim_release,
     "flashoptim_pypi": build_flashoptim_pypi,
     "torchao_float8": build_torchao_float8,

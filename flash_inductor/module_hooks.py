@@ -8,6 +8,8 @@
   that loads the optimizer first: the error terms belong to the weights being loaded). Without it a
   loaded bf16 weight kept the old error term, a master that is neither the loaded value nor the
   old one.
+- With ``prepare(..., fp32_activations=True)``, embeddings return fp32 outputs, and refuse to run
+  without autocast.
 
 They are module-level functions, so a prepared model pickles (``torch.save(model)``).
 """
@@ -21,6 +23,7 @@ from flash_inductor.formats import split_weights
 _INPUT_DTYPE = "_flashoptim_input_dtype"
 _LOADS_SPLIT_WEIGHTS = "_flashoptim_loads_split_weights"
 _LOADED = "_flashoptim_loaded_split_weights"  # between the two load hooks
+_FP32_ACTIVATIONS = "_flashoptim_fp32_activations"  # the module's name in the prepared model
 
 
 def _to_fp32(t):
@@ -42,6 +45,29 @@ def cast_output_back(module, args, kwargs, output):
 def keep_fp32_with_io_casts(module):
     module.register_forward_pre_hook(cast_inputs_to_fp32, with_kwargs=True)
     module.register_forward_hook(cast_output_back, with_kwargs=True)
+
+
+def embedding_output_to_fp32(module, args, output):
+    """Forward hook: the embedding's bf16 output as fp32 (exact), as autocast's fp32 embedding gives it.
+
+    Only autocast lets matmuls take these fp32 activations with bf16 weights (without it a dtype
+    mismatch fails deep inside the model), so a forward without it is refused here, by name."""
+    device_type = output.device.type
+    if not torch.is_autocast_enabled(device_type):
+        raise RuntimeError(
+            f"{type(module).__name__} '{getattr(module, _FP32_ACTIVATIONS)}' ran without autocast: "
+            "flash_inductor.prepare(..., fp32_activations=True) runs the model as autocast runs fp32 weights (fp32 "
+            "activations from the embeddings on, bf16 matmuls), which needs the forward under "
+            f"torch.autocast({device_type!r}, dtype=torch.bfloat16)"
+        )
+    return output.float()
+
+
+def fp32_activations_from(module, name):
+    """Install ``embedding_output_to_fp32`` on the embedding ``module`` (named ``name``) once."""
+    if not hasattr(module, _FP32_ACTIVATIONS):
+        module.register_forward_hook(embedding_output_to_fp32)
+        setattr(module, _FP32_ACTIVATIONS, name)
 
 
 # parameter -> True from an optimizer's load_state_dict restoring its error term until the model's

@@ -42,6 +42,7 @@ def prepare(
     compile_options: dict | None = None,
     gradient_release: bool = False,
     gradient_format: str | None = None,
+    fp32_activations: bool = False,
 ):
     """Make ``model`` + ``optimizer`` memory-efficient, in place; returns ``model``.
 
@@ -72,6 +73,9 @@ def prepare(
       from backward until the step, which decodes them in its kernel; ``p.grad`` stays None, so clip
       with ``flash_inductor.clip_grad_norm_(optimizer, max_norm)``, not torch's. Default None: the
       parameters' dtype. Not with gradient release, DDP or FSDP2 (flash_inductor/flat.py).
+    - ``fp32_activations=True`` makes every ``nn.Embedding`` / ``nn.EmbeddingBag`` return fp32: under
+      ``torch.autocast(device_type, dtype=torch.bfloat16)`` (required) the activations are then those
+      of fp32 weights under autocast, an fp32 residual stream with bf16 matmuls (docs/numerics.md).
     """
     # Everything is checked before anything is changed: a refused call leaves model and optimizer as
     # they were.
@@ -104,7 +108,10 @@ def prepare(
     if gradient_release:
         release.check_model(model)
     _check_gradient_format(gradient_format, model, names, state_bits, gradient_release)
+    embeddings = _embeddings_for_fp32_activations(model, fp32_activations)
     masters = model_conversion.convert_model(model, keep_fp32, held=set(names))
+    for name, module in embeddings:
+        module_hooks.fp32_activations_from(module, name or type(module).__name__)
 
     record = PreparedOptimizer(
         weakref.ref(optimizer), master_weight_bits, state_bits, min_quantized_numel,
@@ -268,6 +275,22 @@ def _check_gradient_format(gradient_format, model, names, state_bits, gradient_r
             f"{option} is not supported with DistributedDataParallel or FSDP2 (fully_shard): their gradient "
             "collectives read and write .grad, which FP8 gradients leave empty; use gradient_format=None"
         )
+
+
+def _embeddings_for_fp32_activations(model, fp32_activations):
+    """[(name, module)] of the embeddings ``fp32_activations=True`` starts fp32 activations from; [] for False."""
+    if fp32_activations not in (True, False):
+        raise ValueError(f"fp32_activations must be True or False, got {fp32_activations!r}")
+    if not fp32_activations:
+        return []
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    if not embeddings:
+        raise ValueError(
+            f"fp32_activations=True found no nn.Embedding or nn.EmbeddingBag in the {type(model).__name__} passed to "
+            "prepare to start fp32 activations from; drop fp32_activations, or cast your model's first activations "
+            "to fp32 yourself"
+        )
+    return embeddings
 
 
 def _check_group(optimizer, group, names):
