@@ -19,15 +19,16 @@ Configurations (``--configs``):
     flashoptim_fp8      flashoptim + FP8 (tensorwise) linears; embeddings and lm_head excluded
     flashoptim_fp8_fp32states  flashoptim_fp8 with fp32 optimizer states (state_bits=None): an ablation
                         of FP8's loss gap
-    flashoptim_fp32act  flashoptim with fp32 activations (prepare's fp32_activations=True: embeddings return
-                        fp32), the forward under bf16 autocast: the baseline's activation precision
-    flashoptim_fp8_fp32act  flashoptim_fp8 with fp32 activations, likewise
     flashoptim_release  flashoptim with gradient release (no clipping: it cannot clip globally)
     flashoptim_pypi     peer: the ``flashoptim`` package's FlashAdamW (24-bit) on a bf16 model
                         (its cast_model); CUDA only
     torchao_float8      peer: torchao's convert_to_float8_training (lm_head excluded), fp32
                         masters, fused AdamW, bf16 autocast; off CUDA its emulated GEMMs
-The flashoptim rows compile the whole step (train_step); the others compile the forward and the
+A flashoptim row takes modifiers, backend or ``prepare`` options joined to its name by "+":
+    +fp32act            fp32 activations (prepare's fp32_activations=True: embeddings return fp32), the
+                        forward under bf16 autocast: the baseline's activation precision
+    +cudagraphs         the model's forward and backward as CUDA graphs (the backend's cudagraphs=True)
+e.g. ``flashoptim_fp8+fp32act+cudagraphs``. The flashoptim rows compile the whole step (train_step); the others compile the forward and the
 loss (``torch.compile``, Inductor) and run backward, clipping and the optimizer step eagerly.
 Peers are skipped with a note when their package is missing or does not apply. Every row: AdamW
 lr (``--lr``), betas (0.9, 0.95), weight decay 0.1, a linear warm-up over ``--lr-warmup`` steps
@@ -247,14 +248,6 @@ def build_flashoptim_fp8_fp32states(model, args, **options):
     return build_flashoptim_fp8(model, args, state_bits=None, **options)
 
 
-def build_flashoptim_fp32act(model, args):
-    return build_flashoptim(model, args, fp32_activations=True)
-
-
-def build_flashoptim_fp8_fp32act(model, args):
-    return build_flashoptim_fp8(model, args, fp32_activations=True)
-
-
 def build_baseline_fp8(model, args):
     """The baseline with our FP8 linears (the backend's FP8 pass, no ``prepare``): torchao_float8's setup
     with our rewrite in place of torchao's module swap."""
@@ -309,8 +302,6 @@ CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args
     "flashoptim": build_flashoptim,
     "flashoptim_fp8": build_flashoptim_fp8,
     "flashoptim_fp8_fp32states": build_flashoptim_fp8_fp32states,
-    "flashoptim_fp32act": build_flashoptim_fp32act,
-    "flashoptim_fp8_fp32act": build_flashoptim_fp8_fp32act,
     "flashoptim_release": build_flashoptim_release,
     "flashoptim_pypi": build_flashoptim_pypi,
     "torchao_float8": build_torchao_float8,
@@ -326,7 +317,7 @@ def lr_factor(step, warmup, total, floor=0.1):
 
 
 # Options a flashoptim row takes after its name, joined by "+": flashoptim_fp8+cudagraphs.
-MODIFIERS = {"cudagraphs": dict(cudagraphs=True)}
+MODIFIERS = {"cudagraphs": dict(cudagraphs=True), "fp32act": dict(fp32_activations=True)}
 
 
 def parse_configuration(name):
