@@ -278,7 +278,8 @@ case $stage in
       | grep -v "^DEBUG" > "$out/gpu_tests_cudagraphs_h200.log"
     tail -4 "$out/gpu_tests_cudagraphs_h200.log"
     logged hf_clients_llama_graphs_h200 420 hf_clients.py --model llama --attention is_causal \
-      --configs "${GRAPH_CONFIGS:-baseline,flashoptim_fp8+cudagraphs,flashoptim_fp8+fp32act+cudagraphs}" --steps 60 --log-every 20 --profile 3
+      --configs "${GRAPH_CONFIGS:-baseline,flashoptim_fp8+cudagraphs,flashoptim_fp8+fp32act+cudagraphs}" --steps "${GRAPH_STEPS:-60}" \
+      --log-every 20 --pipelined 20 --profile "${GRAPH_PROFILE:-3}"
     ;;
   hfllamapeers)
     logged hf_clients_llama_more_h200 570 hf_clients.py --model llama \

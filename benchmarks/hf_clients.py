@@ -95,6 +95,7 @@ from train_gpt import (  # noqa: E402
     peer_memory,
     print_aligned,
     release_memory,
+    synchronize,
     timed_step,
     timing,
     train_starts,
@@ -393,6 +394,8 @@ def targets(runs, num_params, seeds=None):
             t["between_steps_ok"] = abs(r["between_steps_vs_report"] - 1) <= 0.05
         if not r.get("shared_gpu") and not base.get("shared_gpu"):
             t["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+            if "pipelined_tokens_per_s" in r and "pipelined_tokens_per_s" in base:
+                t["speedup_pipelined"] = r["pipelined_tokens_per_s"] / base["pipelined_tokens_per_s"]
         t["last50_loss_vs_baseline"] = r["last50_loss"] / base["last50_loss"] - 1
         over_seeds = (seeds or {}).get(name, {}).get("mean_vs_baseline_mean")
         if over_seeds is not None:
@@ -444,6 +447,10 @@ def run_configuration(name, corpus, args, device, start_bytes):
         else:
             r["steady_peak_bytes"] = peak
     r.update(timing(r["step_s"], args.warmup, args.batch * args.seq))
+    if cuda:
+        r["reserved_peak_bytes"] = torch.cuda.max_memory_reserved(device)
+    if args.pipelined:
+        r.update(pipelined_timing(setup, corpus, starts, args, device))
     if args.profile and cuda:
         x, y = batch(corpus.train, starts[-1], args.seq)
         r["profile"] = step_profile(lambda: setup.step(x, y).item(), calls=args.profile)
@@ -458,6 +465,23 @@ def run_configuration(name, corpus, args, device, start_bytes):
              between_steps_vs_report=None if between is None else between / without_grads,
              last50_loss=sum(last) / len(last))
     return r
+
+
+def pipelined_timing(setup, corpus, starts, args, device):
+    """``--pipelined`` more steps back to back, the loss read after the last one only, as a loop that
+    logs every few steps runs: seconds per step over them, and tokens/s. Each step's CPU work (guards,
+    launches) then overlaps the GPU work of the step before, where ``timed_step`` (a synchronized
+    start, the loss read at the end) exposes it. Only the last loss is kept: with CUDA graphs a
+    step's outputs live in the graph's memory, which the next step overwrites."""
+    batches = [batch(corpus.train, starts[i % len(starts)], args.seq) for i in range(args.pipelined)]
+    synchronize(device)
+    t0 = time.perf_counter()
+    for x, y in batches:
+        loss = setup.step(x, y)
+    loss.item()
+    seconds = (time.perf_counter() - t0) / args.pipelined
+    print(f"  pipelined: {args.pipelined} steps, {seconds * 1e3:.1f} ms per step", flush=True)
+    return dict(pipelined_step_s=seconds, pipelined_tokens_per_s=args.batch * args.seq / seconds)
 
 
 def print_profile(profile):
@@ -608,6 +632,8 @@ def parse_args(argv):
     parser.add_argument("--lr-warmup", type=int, help="steps of linear LR warm-up (default: a tenth of --steps)")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: none)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pipelined", type=int, default=0, metavar="N",
+                        help="after training, N more steps back to back, the loss read after the last: tokens/s without a sync per step")
     parser.add_argument("--shared-gpu", action="store_true",
                         help="other runs share the GPU (several seeds at once): its times are not reported as measured")
     parser.add_argument("--log-every", type=int, default=50)
