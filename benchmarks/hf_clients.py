@@ -688,8 +688,11 @@ def merge(paths):
         part = json.loads(pathlib.Path(path).read_text())
         info = part["info"]
         setup = {k: info.get(k) for k in SAME_SETUP} | {"attention": info.get("attention", "mask")}
-        runs = {run_key(name, info["seed"]): {**r, "seed": info["seed"], "shared_gpu": info.get("shared_gpu", False)}
-                for name, r in part["runs"].items()}
+        # A merged file's runs keep their own seed and mark.
+        runs = {}
+        for key, r in part["runs"].items():
+            r = {"seed": info["seed"], "shared_gpu": info.get("shared_gpu", False), **r}
+            runs[run_key(key.partition("@seed")[0], r["seed"])] = r
         if results is None:
             results, first_setup = {**part, "runs": runs, "failed": part.get("failed", {})}, setup
             continue

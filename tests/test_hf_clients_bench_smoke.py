@@ -101,6 +101,10 @@ def test_runs_of_other_seeds_merge_into_a_summary_over_seeds(bench, tmp_path):
     assert target["last50_loss_vs_baseline"] == pytest.approx(0.02)
     assert target["last50_loss_vs_baseline_over_seeds"] == pytest.approx(mean / base_mean - 1) and target["loss_ok"]
 
+    # A merged file merges again as its runs: seeds and marks kept (seed 0's rows with later seeds' file).
+    again = bench.merge([paths[0], tmp_path / "merged.json"])
+    assert again["runs"] == merged["runs"]
+
     other = json.loads(paths[2].read_text())
     other["info"]["steps"] = 200
     paths[2].write_text(json.dumps(other))
