@@ -29,6 +29,7 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
                         forward under bf16 autocast: the baseline's activation precision
     +cudagraphs         the model's forward and backward as CUDA graphs (the backend's cudagraphs=True)
     +fp32states         fp32 optimizer states (prepare's state_bits=None; masters stay split)
+    +masters32          32-bit masters (prepare's master_weight_bits=32: an int16 error term)
 e.g. ``flashoptim_fp8+fp32act+cudagraphs``. The flashoptim rows compile the whole step (train_step); the others compile the forward and the
 loss (``torch.compile``, Inductor) and run backward, clipping and the optimizer step eagerly.
 Peers are skipped with a note when their package is missing or does not apply. Every row: AdamW
@@ -319,7 +320,7 @@ def lr_factor(step, warmup, total, floor=0.1):
 
 
 # Options a flashoptim row takes after its name, joined by "+": flashoptim_fp8+cudagraphs.
-MODIFIERS = {"cudagraphs": dict(cudagraphs=True), "fp32act": dict(fp32_activations=True), "fp32states": dict(state_bits=None)}
+MODIFIERS = {"cudagraphs": dict(cudagraphs=True), "fp32act": dict(fp32_activations=True), "fp32states": dict(state_bits=None), "masters32": dict(master_weight_bits=32)}
 
 
 def parse_configuration(name):
