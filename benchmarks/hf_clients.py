@@ -30,7 +30,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
     +cudagraphs         the model's forward and backward as CUDA graphs (the backend's cudagraphs=True)
     +fp32states         fp32 optimizer states (prepare's state_bits=None; masters stay split)
     +masters32          32-bit masters (prepare's master_weight_bits=32: an int16 error term)
-e.g. ``flashoptim_fp8+fp32act+cudagraphs``. The flashoptim rows compile the whole step (train_step); the others compile the forward and the
+e.g. ``flashoptim_fp8+fp32act+cudagraphs``.
+The flashoptim rows compile the whole step (train_step); the others compile the forward and the
 loss (``torch.compile``, Inductor) and run backward, clipping and the optimizer step eagerly.
 Peers are skipped with a note when their package is missing or does not apply. Every row: AdamW
 lr (``--lr``), betas (0.9, 0.95), weight decay 0.1, a linear warm-up over ``--lr-warmup`` steps
@@ -320,7 +321,12 @@ def lr_factor(step, warmup, total, floor=0.1):
 
 
 # Options a flashoptim row takes after its name, joined by "+": flashoptim_fp8+cudagraphs.
-MODIFIERS = {"cudagraphs": dict(cudagraphs=True), "fp32act": dict(fp32_activations=True), "fp32states": dict(state_bits=None), "masters32": dict(master_weight_bits=32)}
+MODIFIERS = {
+    "cudagraphs": dict(cudagraphs=True),
+    "fp32act": dict(fp32_activations=True),
+    "fp32states": dict(state_bits=None),
+    "masters32": dict(master_weight_bits=32),
+}
 
 
 def parse_configuration(name):
@@ -386,7 +392,7 @@ def targets(runs, num_params, seeds=None):
     saving = 0.9 * (16 - 7.13) * num_params
     out = {}
     for name, r in runs.items():
-        if not name.startswith("flashoptim") or name == "flashoptim_pypi" or "@seed" in name:
+        if not name.startswith("flashoptim") or name == "flashoptim_pypi" or parse_run_key(name)[1]:
             continue
         t = {}
         if r["steady_peak_bytes"] is not None:
@@ -625,7 +631,8 @@ def parse_args(argv):
                         help="transformers models' SDPA: mask (as transformers runs it under torch.compile before torch "
                              "2.14: an explicit causal mask) or is_causal (no mask: SDPA's flash kernel)")
     parser.add_argument("--configs", default=",".join(CONFIGURATIONS),
-                        help=f"comma list of {', '.join(CONFIGURATIONS)}; a flashoptim row takes modifiers: NAME+{'+'.join(MODIFIERS)}")
+                        help=f"comma list of {', '.join(CONFIGURATIONS)}; "
+                             f"a flashoptim row takes modifiers: NAME+{'+'.join(MODIFIERS)}")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=10, help="steps before the timed, steady-state ones")
     parser.add_argument("--batch", type=int, help="sequences per step (default: the model's)")
@@ -635,7 +642,8 @@ def parse_args(argv):
     parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pipelined", type=int, default=0, metavar="N",
-                        help="after training, N more steps back to back, the loss read after the last: tokens/s without a sync per step")
+                        help="after training, N more steps back to back, the loss read after the last: "
+                             "tokens/s without a sync per step")
     parser.add_argument("--shared-gpu", action="store_true",
                         help="other runs share the GPU (several seeds at once): its times are not reported as measured")
     parser.add_argument("--log-every", type=int, default=50)
@@ -680,6 +688,12 @@ def run_key(name, seed):
     return name if seed == 0 else f"{name}@seed{seed}"
 
 
+def parse_run_key(key):
+    """(configuration, seed) of a ``run_key``."""
+    name, _, seed = key.partition("@seed")
+    return name, int(seed or 0)
+
+
 def merge(paths):
     """The runs of several result files of one setup (a run made in parts, or other seeds) as one
     result. A run made while others shared the GPU (``--shared-gpu``) keeps that mark: its times are
@@ -693,7 +707,7 @@ def merge(paths):
         runs = {}
         for key, r in part["runs"].items():
             r = {"seed": info["seed"], "shared_gpu": info.get("shared_gpu", False), **r}
-            runs[run_key(key.partition("@seed")[0], r["seed"])] = r
+            runs[run_key(parse_run_key(key)[0], r["seed"])] = r
         if results is None:
             results, first_setup = {**part, "runs": runs, "failed": part.get("failed", {})}, setup
             continue
@@ -712,8 +726,8 @@ def seed_summary(runs):
     same initial weights and batches)."""
     losses = {}
     for key, r in runs.items():
-        name, _, seed = key.partition("@seed")
-        losses.setdefault(name, {})[int(seed or 0)] = r["last50_loss"]
+        name, seed = parse_run_key(key)
+        losses.setdefault(name, {})[seed] = r["last50_loss"]
     base = losses.get("baseline", {})
     summary = {}
     for name, by_seed in losses.items():
