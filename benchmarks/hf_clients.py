@@ -30,7 +30,12 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
     +cudagraphs         the model's forward and backward as CUDA graphs (the backend's cudagraphs=True)
     +fp32states         fp32 optimizer states (prepare's state_bits=None; masters stay split)
     +masters32          32-bit masters (prepare's master_weight_bits=32: an int16 error term)
-e.g. ``flashoptim_fp8+fp32act+cudagraphs``.
+    +fastaccum          the FP8 forward GEMMs in the tensor cores' fast accumulation (fp8_fast_accum=True),
+                        torchao's default for that GEMM
+e.g. ``flashoptim_fp8+fp32act+cudagraphs``. The baseline takes one:
+    +foreach            torch AdamW's foreach implementation instead of the fused one: the same arithmetic
+                        rounded in another order, so the loss moves only by how training amplifies rounding
+                        (the resolution of comparing two rows of one seed)
 The flashoptim rows compile the whole step (train_step); the others compile the forward and the
 loss (``torch.compile``, Inductor) and run backward, clipping and the optimizer step eagerly.
 Peers are skipped with a note when their package is missing or does not apply. Every row: AdamW
@@ -218,8 +223,10 @@ def compiled(fn, args):
     return fn if args.no_inductor else torch.compile(fn)
 
 
-def build_baseline(model, args):
-    opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=args.device.startswith("cuda"))
+def build_baseline(model, args, fused=None):
+    """``fused=None``: torch's fused AdamW on CUDA, else its default."""
+    fused = args.device.startswith("cuda") if fused is None else fused
+    opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=fused)
     step = make_step(compiled(loss_function(model, True), args), model.parameters(), opt, args.clip)
     return Setup(model, opt, step, autocast=True), args.clip
 
@@ -320,13 +327,16 @@ def lr_factor(step, warmup, total, floor=0.1):
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# Options a flashoptim row takes after its name, joined by "+": flashoptim_fp8+cudagraphs.
+# Options a row takes after its name, joined by "+": flashoptim_fp8+cudagraphs. A flashoptim row's are
+# backend or prepare options, the baseline's torch AdamW's.
 MODIFIERS = {
     "cudagraphs": dict(cudagraphs=True),
     "fp32act": dict(fp32_activations=True),
     "fp32states": dict(state_bits=None),
     "masters32": dict(master_weight_bits=32),
+    "fastaccum": dict(fp8_fast_accum=True),
 }
+BASELINE_MODIFIERS = {"foreach": dict(fused=False)}
 
 
 def parse_configuration(name):
@@ -334,14 +344,16 @@ def parse_configuration(name):
     base, *modifiers = name.split("+")
     if base not in CONFIGURATIONS:
         raise ValueError(f"unknown configuration {base!r}; choose from {list(CONFIGURATIONS)}")
-    unknown = [m for m in modifiers if m not in MODIFIERS]
+    ours = base.startswith("flashoptim") and base != "flashoptim_pypi"
+    accepted = MODIFIERS if ours else BASELINE_MODIFIERS if base == "baseline" else {}
+    if modifiers and not accepted:
+        raise ValueError(f"{name}: modifiers are options of our backend (the flashoptim rows) or of the baseline's AdamW")
+    unknown = [m for m in modifiers if m not in accepted]
     if unknown:
-        raise ValueError(f"{name}: unknown modifier(s) {unknown}; choose from {list(MODIFIERS)}")
-    if modifiers and (not base.startswith("flashoptim") or base == "flashoptim_pypi"):
-        raise ValueError(f"{name}: modifiers are options of our backend, for the flashoptim rows")
+        raise ValueError(f"{name}: unknown modifier(s) {unknown} for {base}; choose from {list(accepted)}")
     options = {}
     for modifier in modifiers:
-        options.update(MODIFIERS[modifier])
+        options.update(accepted[modifier])
     return CONFIGURATIONS[base], options
 
 
@@ -632,7 +644,8 @@ def parse_args(argv):
                              "2.14: an explicit causal mask) or is_causal (no mask: SDPA's flash kernel)")
     parser.add_argument("--configs", default=",".join(CONFIGURATIONS),
                         help=f"comma list of {', '.join(CONFIGURATIONS)}; "
-                             f"a flashoptim row takes modifiers: NAME+{'+'.join(MODIFIERS)}")
+                             f"a flashoptim row takes modifiers: NAME+{'+'.join(MODIFIERS)}; the baseline "
+                             f"{'+'.join(BASELINE_MODIFIERS)}")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=10, help="steps before the timed, steady-state ones")
     parser.add_argument("--batch", type=int, help="sequences per step (default: the model's)")

@@ -245,8 +245,13 @@ def test_attention_option_decides_whether_compiled_sdpa_gets_a_mask(bench, fresh
 def test_configuration_modifiers_are_backend_options_of_the_flashoptim_rows(bench):
     builder, options = bench.parse_configuration("flashoptim_fp8+cudagraphs")
     assert builder is bench.build_flashoptim_fp8 and options == {"cudagraphs": True}
-    for name, message in (("baseline+cudagraphs", "for the flashoptim rows"),
-                          ("flashoptim_pypi+cudagraphs", "for the flashoptim rows"),
+    builder, options = bench.parse_configuration("flashoptim_fp8+fastaccum+fp32states")
+    assert builder is bench.build_flashoptim_fp8 and options == {"fp8_fast_accum": True, "state_bits": None}
+    builder, options = bench.parse_configuration("baseline+foreach")
+    assert builder is bench.build_baseline and options == {"fused": False}
+    for name, message in (("baseline+cudagraphs", r"unknown modifier\(s\) \['cudagraphs'\] for baseline"),
+                          ("flashoptim+foreach", r"unknown modifier\(s\) \['foreach'\] for flashoptim"),
+                          ("flashoptim_pypi+cudagraphs", "of our backend"),
                           ("flashoptim+nope", r"unknown modifier\(s\) \['nope'\]"),
                           ("nope", "unknown configuration 'nope'")):
         with pytest.raises(ValueError, match=message):
