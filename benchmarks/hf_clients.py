@@ -32,6 +32,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
     +masters32          32-bit masters (prepare's master_weight_bits=32: an int16 error term)
     +fastaccum          the FP8 forward GEMMs in the tensor cores' fast accumulation (fp8_fast_accum=True),
                         torchao's default for that GEMM
+    +regional           train_step's regional=True: the decoder layers compiled one by one, the rest eager
+                        (with flashoptim_release: each layer's gradients applied and freed as its backward ends)
 e.g. ``flashoptim_fp8+fp32act+cudagraphs``. The baseline takes one:
     +foreach            torch AdamW's foreach implementation instead of the fused one: the same arithmetic
                         rounded in another order, so the loss moves only by how training amplifies rounding
@@ -335,6 +337,7 @@ MODIFIERS = {
     "fp32states": dict(state_bits=None),
     "masters32": dict(master_weight_bits=32),
     "fastaccum": dict(fp8_fast_accum=True),
+    "regional": dict(regional=True),
 }
 BASELINE_MODIFIERS = {"foreach": dict(fused=False)}
 
@@ -466,6 +469,8 @@ def run_configuration(name, corpus, args, device, start_bytes):
             r["startup_peak_bytes"] = peak
         else:
             r["steady_peak_bytes"] = peak
+        print(f"  peak {peak / 2**20:.0f} MiB ({'steady' if r['steady_peak_bytes'] else 'start-up'}), start-up "
+              f"{r['startup_peak_bytes'] / 2**20:.0f} MiB", flush=True)
     r.update(timing(r["step_s"], args.warmup, args.batch * args.seq))
     if cuda:
         r["reserved_peak_bytes"] = torch.cuda.max_memory_reserved(device)
@@ -736,7 +741,7 @@ def merge(paths):
 def seed_summary(runs):
     """For each configuration run with several seeds: the last-50 losses by seed, their mean and
     standard deviation, and each seed's difference from the baseline run with the same seed (the
-    same initial weights and batches)."""
+    same initial weights and batches), and its mean against the baseline's over the seeds both ran."""
     losses = {}
     for key, r in runs.items():
         name, seed = parse_run_key(key)
@@ -750,15 +755,19 @@ def seed_summary(runs):
         summary[name] = dict(last50_loss_by_seed={str(s): by_seed[s] for s in sorted(by_seed)}, mean=statistics.mean(values),
                              std=statistics.stdev(values),
                              vs_baseline_by_seed={str(s): by_seed[s] / base[s] - 1 for s in sorted(by_seed) if s in base})
-        if len(base) >= 2:
-            summary[name]["mean_vs_baseline_mean"] = summary[name]["mean"] / statistics.mean(base.values()) - 1
+        shared = [s for s in sorted(by_seed) if s in base]
+        if len(shared) >= 2:
+            # Over the seeds both ran: seeds differ by more than the rows do.
+            summary[name]["mean_vs_baseline_mean"] = (statistics.mean(by_seed[s] for s in shared)
+                                                      / statistics.mean(base[s] for s in shared) - 1)
     return summary
 
 
 def print_seed_summary(summary):
     if not summary:
         return
-    rows = [("configuration", "seeds", "last-50 loss by seed", "mean ± std", "vs baseline's mean", "vs baseline, seed by seed")]
+    rows = [("configuration", "seeds", "last-50 loss by seed", "mean ± std", "vs baseline's mean (same seeds)",
+             "vs baseline, seed by seed")]
     for name, s in summary.items():
         rel = s.get("mean_vs_baseline_mean")
         rows.append((name, ",".join(s["last50_loss_by_seed"]), " ".join(f"{v:.4f}" for v in s["last50_loss_by_seed"].values()),
@@ -797,7 +806,8 @@ def main(argv=None):
     corpus.train = corpus.train.to(device)
     with torch.device("meta"):
         num_params = sum(p.numel() for p in build_model(args.model, args.config).parameters())
-    info = dict(model=args.model, size=args.size, attention=args.attention, num_params=num_params, vocab=vocab_size(args.model, args.config),
+    info = dict(model=args.model, size=args.size, attention=args.attention, num_params=num_params,
+                vocab=vocab_size(args.model, args.config),
                 batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, lr=args.lr, lr_warmup=args.lr_warmup,
                 clip=args.clip, seed=args.seed, shared_gpu=args.shared_gpu, no_inductor=args.no_inductor, torch=torch.__version__,
                 transformers=None if transformers is None else transformers.__version__, python=platform.python_version(),

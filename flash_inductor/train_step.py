@@ -2,9 +2,12 @@
 
 import functools
 
+import torch.nn as nn
+
 from flash_inductor import roles
 from flash_inductor.backend import compile as compile_with_backend
-from flash_inductor.backend import prepare_fp8
+from flash_inductor.backend import flashoptim_backend, prepare_fp8
+from flash_inductor.options import Options
 from flash_inductor.prepare import prepare
 
 _PREPARE_ARGS = ("master_weight_bits", "state_bits", "state_format", "keep_fp32", "min_quantized_numel",
@@ -12,7 +15,7 @@ _PREPARE_ARGS = ("master_weight_bits", "state_bits", "state_format", "keep_fp32"
                  "fp32_activations")
 
 
-def train_step(fn=None, *, model, optimizer, **options):
+def train_step(fn=None, *, model, optimizer, regional=False, **options):
     """Compile a step function (forward, ``loss.backward()``, ``optimizer.step()``,
     ``optimizer.zero_grad()``) through the ``flashoptim`` backend.
 
@@ -23,10 +26,23 @@ def train_step(fn=None, *, model, optimizer, **options):
     graph each: the prepared ``step`` graph-breaks and runs its own compiled flat step
     (flash_inductor/steps.py), with the same backend options. With ``gradient_release=True`` the
     updates run in backward hooks instead, each parameter's step compiled with them too.
+
+    ``regional=True`` compiles the model's repeated blocks instead of the step (regional
+    compilation): each module of ``model``'s largest ``nn.ModuleList`` (a transformer's layers,
+    such as Hugging Face's ``model.layers``) is compiled in place with the backend and ``options``,
+    and the rest of the step runs eagerly, the optimizer's step as its own compiled flat step.
+    Blocks of one class share one compiled graph. Each block's backward is then a graph of its
+    own, so with ``gradient_release=True`` a block's gradients are applied and freed as soon as its
+    backward ends; a whole-step graph returns every gradient at its end, before any hook runs, and
+    the peak does not drop (docs/architecture.md, "Gradient release").
     """
     prepare_args = {k: options.pop(k) for k in _PREPARE_ARGS if k in options}
     if fn is None:
-        return functools.partial(train_step, model=model, optimizer=optimizer, **prepare_args, **options)
+        return functools.partial(train_step, model=model, optimizer=optimizer, regional=regional, **prepare_args,
+                                 **options)
+    if regional:  # checked before anything changes
+        Options.from_dict(options)
+        blocks = repeated_blocks(model)
     if optimizer not in roles.PREPARED:
         # The optimizer's own compiled step (and gradient release's) runs with these options too.
         prepare(model, optimizer, compile_options=options, **prepare_args)
@@ -34,5 +50,21 @@ def train_step(fn=None, *, model, optimizer, **options):
         raise ValueError(f"train_step: optimizer is already prepared; drop {sorted(prepare_args)}")
     if options.get("fp8") == "delayed" or options.get("fp8_all_gather"):
         prepare_fp8(model, **options)
+    if regional:
+        for block in blocks:
+            block.compile(backend=flashoptim_backend, options=options or None)
+        return fn
     compiled = compile_with_backend(fn, **options)
     return functools.wraps(fn)(compiled)
+
+
+def repeated_blocks(model):
+    """The modules of ``model``'s largest ``nn.ModuleList`` (``regional=True`` compiles each), or
+    ValueError saying why there are none."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(
+            f"train_step(regional=True): {type(model).__name__} has no nn.ModuleList of blocks to compile one by one; "
+            "compile the whole step (regional=False), or hold the model's repeated layers in an nn.ModuleList"
+        )
+    return list(max(lists, key=len))

@@ -18,7 +18,6 @@ import re
 
 import pytest
 import torch
-import torch.nn as nn
 
 import flash_inductor
 from flash_inductor import roles

@@ -267,7 +267,8 @@ def test_triton_step_agrees_with_inductor_step_and_skips_parameters_without_grad
                 code_step = torch.finfo(torch.bfloat16).eps * p.detach().double().abs() * (1 / 254 if master_weight_bits else 2)
                 # near zero a master's own resolution is below the update's (about lr at step 0): the two
                 # steps round the update apart by an fp32 ulp of it, and bf16 masters by a bf16 ulp
-                update_rounding = LR * (4 * torch.finfo(torch.float32).eps if master_weight_bits else torch.finfo(torch.bfloat16).eps)
+                ulp = 4 * torch.finfo(torch.float32).eps if master_weight_bits else torch.finfo(torch.bfloat16).eps
+                update_rounding = LR * ulp
                 tol = code_step + 4 * torch.finfo(torch.float32).eps * masters["inductor"][name].double().abs() + update_rounding
                 difference = (masters["triton"][name].double() - masters["inductor"][name].double()).abs()
                 excess = difference - tol

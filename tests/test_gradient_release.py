@@ -176,6 +176,86 @@ def test_gradients_are_freed_in_backward(release_benchmark):
     assert normal["peak_bytes"] - released["peak_bytes"] == 2 * layer
 
 
+class _Marker(torch.autograd.Function):
+    """Identity at the input of block ``index``; its backward runs once that block's backward is done
+    and before the block before it starts, and logs how many parameters of that block and the later
+    ones were already updated in this step (``model.before``: their values when the step began)."""
+
+    @staticmethod
+    def forward(ctx, x, index, model):
+        ctx.index, ctx.model = index, model
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        model, index = ctx.model, ctx.index
+        later = [p for block in model.blocks[index:] for p in block.parameters()]
+        ctx.model.log.append((index, sum(not torch.equal(p, model.before[p]) for p in later)))
+        return g, None, None
+
+
+class _Blocks(nn.Module):
+    """Three residual blocks in an ``nn.ModuleList`` (what ``regional=True`` compiles), an eager
+    marker before each."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(3))
+        self.log, self.before = [], {}
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = _Marker.apply(x, i, self)
+            x = x + block(x)
+        return x
+
+
+def _train_regional(release):
+    """STEPS steps of ``_Blocks`` through ``train_step(..., regional=True)``: the last step's log,
+    the stored bits, and whether each block was compiled on its own."""
+    torch.manual_seed(0)
+    model = _Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    @flash_inductor.train_step(model=model, optimizer=opt, gradient_release=release, regional=True, **EAGER)
+    def step(x):
+        _loss(model, x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for x in _batches(128):
+        model.log.clear()
+        model.before = {p: p.detach().clone() for p in model.parameters()}
+        step(x)
+    return model.log, stored_bits(model, opt), [block._compiled_call_impl is not None for block in model.blocks]
+
+
+def test_regional_train_step_applies_each_blocks_gradients_before_the_next_blocks_backward():
+    """``train_step(..., regional=True)`` compiles each block on its own, so its backward is a graph
+    of its own. With release, a block's parameters are updated, and their gradients freed, before
+    the backward of the block before it starts: the gradients of one block are alive at a time (a
+    whole-step graph returns them all at its end: the H200 measures that peak,
+    docs/benchmarks.md). Without release nothing is updated before ``step()``. Release stores the
+    bits of the normal regional step."""
+    normal_log, normal, normal_compiled = _train_regional(release=False)
+    released_log, released, released_compiled = _train_regional(release=True)
+    per_block = 2  # weight and bias
+    # (Block 0's marker has no backward: the input needs no gradient.)
+    assert normal_log == [(2, 0), (1, 0)]
+    assert released_log == [(2, per_block), (1, 2 * per_block)]
+    assert normal_compiled == released_compiled == [True] * 3
+    for key in normal:
+        assert torch.equal(released[key], normal[key]), key
+
+
+def test_regional_train_step_needs_a_module_list():
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"regional=True.*Net has no nn.ModuleList.*regional=False"):
+        flash_inductor.train_step(lambda x: x, model=model, optimizer=opt, regional=True)
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and not opt.state  # not prepared
+
+
 # ---------------------------------------------------------------------------------------- errors
 
 def _prepared(release=True):

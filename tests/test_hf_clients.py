@@ -94,3 +94,15 @@ def test_inspect_of_the_gpt2_train_step_takes_under_30_s_and_names_its_graph_bre
     # Each piece the model's code was split into follows a graph break the report names, with its reason.
     assert len(report.graph_breaks) >= len(model_graphs) - 1
     assert all(b.reason and f"graph break at {b.location}: {b.headline}" in text for b in report.graph_breaks)
+
+
+def test_regional_compiles_the_decoder_layers_of_gpt2_and_llama():
+    """``train_step(..., regional=True)``'s blocks are the models' layers (their largest
+    ``nn.ModuleList``), nothing else."""
+    from flash_inductor.train_step import repeated_blocks
+
+    gpt2 = _gpt2()
+    assert repeated_blocks(gpt2) == list(gpt2.transformer.h)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4, vocab_size=1000))
+    assert repeated_blocks(llama) == list(llama.model.layers)

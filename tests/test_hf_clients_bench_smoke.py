@@ -79,17 +79,18 @@ def test_runs_of_other_seeds_merge_into_a_summary_over_seeds(bench, tmp_path):
     row = dict(steady_peak_bytes=12 * n, startup_peak_bytes=12 * n, between_steps_max_bytes=5 * n, report_without_grads_bytes=5 * n,
                between_steps_vs_report=1.0, first_step_s=40.0, median_step_s=0.1, tokens_per_s=100.0)
     losses = {("baseline", 0): 2.00, ("baseline", 1): 2.10, ("baseline", 2): 1.96,
-              ("flashoptim", 0): 2.04, ("flashoptim", 1): 2.08, ("flashoptim", 2): 1.97}
+              ("flashoptim", 0): 2.04, ("flashoptim", 1): 2.08, ("flashoptim", 2): 1.97,
+              ("flashoptim+fp32act", 0): 2.02, ("flashoptim+fp32act", 1): 2.12}  # seeds 0 and 1 only
     info = dict(model="llama", size="full", num_params=n, batch=2, seq=4096, steps=300, lr=3e-4, lr_warmup=30, clip=1.0)
     paths = []
     for seed in (0, 1, 2):
         part = dict(info=dict(info, seed=seed, shared_gpu=seed > 0), skipped={}, targets={},
-                    runs={name: dict(row, last50_loss=losses[name, seed]) for name in ("baseline", "flashoptim")})
+                    runs={name: dict(row, last50_loss=losses[name, s]) for name, s in losses if s == seed})
         paths.append(tmp_path / f"seed{seed}.json")
         paths[-1].write_text(json.dumps(part))
     merged = bench.main(["--report-from", *map(str, paths), "--out", str(tmp_path / "merged.json")])
-    assert sorted(merged["runs"]) == ["baseline", "baseline@seed1", "baseline@seed2", "flashoptim", "flashoptim@seed1",
-                                      "flashoptim@seed2"]
+    assert sorted(merged["runs"]) == ["baseline", "baseline@seed1", "baseline@seed2", "flashoptim", "flashoptim+fp32act",
+                                      "flashoptim+fp32act@seed1", "flashoptim@seed1", "flashoptim@seed2"]
     assert merged["runs"]["flashoptim@seed2"]["shared_gpu"] and not merged["runs"]["flashoptim"]["shared_gpu"]
     summary = merged["seeds"]["flashoptim"]
     mean, base_mean = (2.04 + 2.08 + 1.97) / 3, (2.00 + 2.10 + 1.96) / 3
@@ -100,6 +101,8 @@ def test_runs_of_other_seeds_merge_into_a_summary_over_seeds(bench, tmp_path):
     # Seed 0 alone misses the 1% (+2%); the means over three seeds are within it.
     assert target["last50_loss_vs_baseline"] == pytest.approx(0.02)
     assert target["last50_loss_vs_baseline_over_seeds"] == pytest.approx(mean / base_mean - 1) and target["loss_ok"]
+    # A row of seeds 0 and 1 is compared with the baseline's mean over seeds 0 and 1 (+1%), not over all three.
+    assert merged["seeds"]["flashoptim+fp32act"]["mean_vs_baseline_mean"] == pytest.approx((2.02 + 2.12) / (2.00 + 2.10) - 1)
 
     # A merged file merges again as its runs: seeds and marks kept (seed 0's rows with later seeds' file).
     again = bench.merge([paths[0], tmp_path / "merged.json"])
