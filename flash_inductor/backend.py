@@ -70,15 +70,22 @@ def prepare_fp8(model: torch.nn.Module, **options):
     return fp8_delayed.add_state(model, opts)
 
 
+# Set on a step whose model's blocks are compiled rather than the step itself (train_step's
+# regional=True): the modules compiled, by name.
+COMPILED_BLOCKS = "_flashoptim_compiled_blocks"
+
+
 def inspect(fn, *args, **kwargs):
     """Run ``fn(*args, **kwargs)`` once through the backend and return an ``inspection.Report``.
 
     ``fn`` may be a plain function (compiled here with ``backend="flashoptim"``) or one already
-    compiled with it (its options are kept). Dynamo's caches are reset first, so every graph is
+    compiled with it (its options are kept), such as a ``train_step``; one made with
+    ``regional=True`` runs as it is, its blocks' graphs being what it compiles. Dynamo's caches are reset first, so every graph is
     captured and every pass really runs: other compiled functions recompile on their next call.
     """
     report = inspection.Report()
-    target = fn if hasattr(fn, "_torchdynamo_orig_callable") else compile(fn)
+    compiled = hasattr(fn, "_torchdynamo_orig_callable") or hasattr(fn, COMPILED_BLOCKS)
+    target = fn if compiled else compile(fn)
     torch._dynamo.reset()
     with inspection.collecting(report):
         target(*args, **kwargs)

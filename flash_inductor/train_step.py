@@ -1,12 +1,13 @@
-"""``@flash_inductor.train_step``: prepare and compile a whole training step in one place."""
+"""``@flash_inductor.train_step``: prepare, and compile a training step (whole, or its model's blocks), in one place."""
 
 import functools
 
+import torch
 import torch.nn as nn
 
 from flash_inductor import roles
+from flash_inductor.backend import COMPILED_BLOCKS, prepare_fp8
 from flash_inductor.backend import compile as compile_with_backend
-from flash_inductor.backend import flashoptim_backend, prepare_fp8
 from flash_inductor.options import Options
 from flash_inductor.prepare import prepare
 
@@ -29,9 +30,10 @@ def train_step(fn=None, *, model, optimizer, regional=False, **options):
 
     ``regional=True`` compiles the model's repeated blocks instead of the step (regional
     compilation): each module of ``model``'s largest ``nn.ModuleList`` (a transformer's layers,
-    such as Hugging Face's ``model.layers``) is compiled in place with the backend and ``options``,
-    and the rest of the step runs eagerly, the optimizer's step as its own compiled flat step.
-    Blocks of one class share one compiled graph. Each block's backward is then a graph of its
+    such as Hugging Face's ``model.layers``) has its forward compiled in place with the backend and
+    ``options``, and the rest of the step runs eagerly, the optimizer's step as its own compiled flat
+    step. Blocks of one class share their graphs (Dynamo compiles the first block's, then one for
+    all the others), so the compile is short. Each block's backward is then a graph of its
     own, so with ``gradient_release=True`` a block's gradients are applied and freed as soon as its
     backward ends; a whole-step graph returns every gradient at its end, before any hook runs, and
     the peak does not drop (docs/architecture.md, "Gradient release").
@@ -52,10 +54,37 @@ def train_step(fn=None, *, model, optimizer, regional=False, **options):
         prepare_fp8(model, **options)
     if regional:
         for block in blocks:
-            block.compile(backend=flashoptim_backend, options=options or None)
-        return fn
+            block.forward = _compiled_block_forward(block, len(blocks), options)
+
+        @functools.wraps(fn)
+        def step(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        setattr(step, COMPILED_BLOCKS, blocks)
+        return step
     compiled = compile_with_backend(fn, **options)
     return functools.wraps(fn)(compiled)
+
+
+def _compiled_block_forward(block, num_blocks, options):
+    """``block.forward`` compiled with the backend, to be set in place of it.
+
+    The forward, not ``nn.Module.compile``'s ``_call_impl``: Dynamo does not trace that frame for
+    torch's own modules (``nn.Sequential``, ``nn.TransformerEncoderLayer``), which would then run
+    eagerly without a word. Hooks stay eager; ``state_dict`` names do not change. All blocks share
+    one code object, so one Dynamo cache: a block that cannot reuse another's graph (a Hugging Face
+    layer given a KV cache guards on its own entry of it) compiles its own, and the recompile limit
+    (default 8) is raised to let every block compile rather than run the rest eagerly."""
+    compiled = compile_with_backend(block.forward, **options)
+
+    @functools.wraps(block.forward)
+    def forward(*args, **kwargs):
+        config = torch._dynamo.config
+        limit = max(config.recompile_limit, num_blocks + 8)
+        with config.patch(recompile_limit=limit, accumulated_recompile_limit=max(config.accumulated_recompile_limit, limit)):
+            return compiled(*args, **kwargs)
+
+    return forward
 
 
 def repeated_blocks(model):

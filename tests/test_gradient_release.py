@@ -211,8 +211,8 @@ class _Blocks(nn.Module):
 
 
 def _train_regional(release):
-    """STEPS steps of ``_Blocks`` through ``train_step(..., regional=True)``: the last step's log,
-    the stored bits, and whether each block was compiled on its own."""
+    """STEPS steps of ``_Blocks`` through ``train_step(..., regional=True)``: the last step's log and
+    the stored bits."""
     torch.manual_seed(0)
     model = _Blocks()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -227,7 +227,7 @@ def _train_regional(release):
         model.log.clear()
         model.before = {p: p.detach().clone() for p in model.parameters()}
         step(x)
-    return model.log, stored_bits(model, opt), [block._compiled_call_impl is not None for block in model.blocks]
+    return model.log, stored_bits(model, opt)
 
 
 def test_regional_train_step_applies_each_blocks_gradients_before_the_next_blocks_backward():
@@ -237,15 +237,63 @@ def test_regional_train_step_applies_each_blocks_gradients_before_the_next_block
     whole-step graph returns them all at its end: the H200 measures that peak,
     docs/benchmarks.md). Without release nothing is updated before ``step()``. Release stores the
     bits of the normal regional step."""
-    normal_log, normal, normal_compiled = _train_regional(release=False)
-    released_log, released, released_compiled = _train_regional(release=True)
+    normal_log, normal = _train_regional(release=False)
+    released_log, released = _train_regional(release=True)
     per_block = 2  # weight and bias
     # (Block 0's marker has no backward: the input needs no gradient.)
     assert normal_log == [(2, 0), (1, 0)]
     assert released_log == [(2, per_block), (1, 2 * per_block)]
-    assert normal_compiled == released_compiled == [True] * 3
     for key in normal:
         assert torch.equal(released[key], normal[key]), key
+
+
+def test_a_regional_step_compiles_each_block_and_inspect_shows_their_graphs():
+    """The blocks are torch's own ``nn.Sequential`` (``nn.Module.compile`` would leave them eager):
+    the step compiles model graphs that each hold one block's weight and bias, and its optimizer
+    step, and ``inspect`` runs it as it is (not the whole step compiled)."""
+    torch.manual_seed(0)
+    model = _Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    @flash_inductor.train_step(model=model, optimizer=opt, regional=True, **EAGER)
+    def step(x):
+        _loss(model, x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    model.before = {p: p.detach().clone() for p in model.parameters()}  # for the markers' log
+    report = flash_inductor.inspect(step, _batches(128, 1)[0])
+    model_graphs = [g for g in report.graphs if g.kind == "model"]
+    assert model_graphs and {sum(r.startswith("param") for r in g.roles.values()) for g in model_graphs} == {2}
+    assert any(g.kind == "optimizer step" for g in report.graphs)
+
+
+class _Scaled(nn.Module):
+    """A block whose forward reads a Python number of its own: Dynamo guards on it, so each block
+    compiles a graph of its own."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.linear, self.scale = nn.Linear(16, 16), scale
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def test_a_regional_step_compiles_every_block_past_dynamos_recompile_limit():
+    model = nn.Sequential(nn.ModuleList(_Scaled(i + 1) for i in range(10)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    @flash_inductor.train_step(model=model, optimizer=opt, regional=True, **EAGER)
+    def step(x):
+        for block in model[0]:
+            x = block(x)
+        x.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    report = flash_inductor.inspect(step, torch.randn(4, 16, dtype=torch.bfloat16))
+    assert sum(g.kind == "model" for g in report.graphs) == 10  # Dynamo's default limit: 8
 
 
 def test_regional_train_step_needs_a_module_list():
