@@ -1,5 +1,6 @@
 """``@flash_inductor.train_step``: prepare, and compile a training step (whole, or its model's blocks), in one place."""
 
+import fnmatch
 import functools
 
 import torch
@@ -45,6 +46,7 @@ def train_step(fn=None, *, model, optimizer, regional=False, **options):
     if regional:  # checked before anything changes
         Options.from_dict(options)
         blocks = repeated_blocks(model)
+        _block_fp8_options(model, blocks, options)
     if optimizer not in roles.PREPARED:
         # The optimizer's own compiled step (and gradient release's) runs with these options too.
         prepare(model, optimizer, compile_options=options, **prepare_args)
@@ -53,8 +55,9 @@ def train_step(fn=None, *, model, optimizer, regional=False, **options):
     if options.get("fp8") == "delayed" or options.get("fp8_all_gather"):
         prepare_fp8(model, **options)
     if regional:
+        block_options = _block_fp8_options(model, blocks, options)
         for block in blocks:
-            block.forward = _compiled_block_forward(block, len(blocks), options)
+            block.forward = _compiled_block_forward(block, len(blocks), block_options)
 
         @functools.wraps(fn)
         def step(*args, **kwargs):
@@ -85,6 +88,36 @@ def _compiled_block_forward(block, num_blocks, options):
             return compiled(*args, **kwargs)
 
     return forward
+
+
+def _block_fp8_options(model, blocks, options):
+    """``options`` for the blocks' shared graphs, whose layers the FP8 pass names within a block
+    (``mlp.down_proj``): ``fp8_exclude`` and ``fp8_filter``, which name them within the model
+    (``model.layers.3.mlp.down_proj``), become one filter on those names, or ValueError where they
+    choose differently for two blocks (one graph serves both)."""
+    parsed = Options.from_dict(options)
+    if parsed.fp8 is None or not (parsed.fp8_exclude or parsed.fp8_filter):
+        return options
+    block_name = {id(m): name for name, m in model.named_modules()}
+
+    def in_fp8(name):
+        return (not any(fnmatch.fnmatchcase(name, pattern) for pattern in parsed.fp8_exclude)
+                and (parsed.fp8_filter is None or parsed.fp8_filter(name)))
+
+    chosen = {}  # name within a block -> (in FP8, the first full name it was decided for)
+    for block in blocks:
+        for inner, _ in block.named_modules():
+            name = ".".join(filter(None, (block_name[id(block)], inner)))
+            first = chosen.setdefault(inner, (in_fp8(name), name))
+            if first[0] != in_fp8(name):
+                fp8, other = (first[1], name) if first[0] else (name, first[1])
+                raise ValueError(
+                    f"train_step(regional=True): fp8_exclude / fp8_filter keep {fp8} in FP8 but not {other}; the "
+                    "blocks share compiled graphs, so one block's layers cannot differ from another's: choose layers "
+                    "by their name within a block (fp8_exclude=['*.mlp.down_proj']), or compile the whole step "
+                    "(regional=False)"
+                )
+    return {**options, "fp8_exclude": (), "fp8_filter": lambda inner: chosen.get(inner, (True,))[0]}
 
 
 def repeated_blocks(model):

@@ -160,3 +160,14 @@ def assert_unchanged(before, after):
     assert before.keys() == after.keys()
     changed = [k for k in before if before[k].dtype != after[k].dtype or not torch.equal(before[k], after[k])]
     assert not changed, f"changed: {changed}"
+
+
+def bf16_batches(in_features, steps=3):
+    """``steps`` batches of 8 bf16 inputs of ``in_features``, the same at every call."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(8, in_features, generator=gen, dtype=torch.bfloat16) for _ in range(steps)]
+
+
+def square_loss(model, x):
+    """A loss of ``model``'s output alone (mean square, in fp32)."""
+    return model(x).float().square().mean()

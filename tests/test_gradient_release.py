@@ -21,22 +21,13 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import flash_inductor
-from helpers import EAGER, Net, benchmark_module, stored_bits
+from helpers import EAGER, Net, benchmark_module, bf16_batches, square_loss, stored_bits
 
 pytestmark = [
     pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed"),
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
 STEPS = 3
-
-
-def _batches(in_features, steps=STEPS):
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randn(8, in_features, generator=gen, dtype=torch.bfloat16) for _ in range(steps)]
-
-
-def _loss(model, x):
-    return model(x).float().square().mean()
 
 
 def _train(make_model, make_opt, release, compile_options=EAGER, closure=False, reload_after=None):
@@ -47,11 +38,11 @@ def _train(make_model, make_opt, release, compile_options=EAGER, closure=False, 
     opt = make_opt(model.parameters())
     flash_inductor.prepare(model, opt, compile_options=compile_options, gradient_release=release)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    for i, x in enumerate(_batches(128)):
+    for i, x in enumerate(bf16_batches(128, STEPS)):
         if closure:
-            opt.step(lambda: _loss(model, x).backward())
+            opt.step(lambda: square_loss(model, x).backward())
         else:
-            _loss(model, x).backward()
+            square_loss(model, x).backward()
             opt.step()
         scheduler.step()
         opt.zero_grad()
@@ -96,11 +87,11 @@ def test_train_step_with_release_stores_the_bits_of_the_normal_train_step():
 
         @flash_inductor.train_step(model=model, optimizer=opt, gradient_release=release, **EAGER)
         def step(x):
-            _loss(model, x).backward()
+            square_loss(model, x).backward()
             opt.step()
             opt.zero_grad()
 
-        for x in _batches(128):
+        for x in bf16_batches(128):
             step(x)
         assert all(p.grad is None for p in model.parameters())
         return stored_bits(model, opt)
@@ -176,134 +167,6 @@ def test_gradients_are_freed_in_backward(release_benchmark):
     assert normal["peak_bytes"] - released["peak_bytes"] == 2 * layer
 
 
-class _Marker(torch.autograd.Function):
-    """Identity at the input of block ``index``; its backward runs once that block's backward is done
-    and before the block before it starts, and logs how many parameters of that block and the later
-    ones were already updated in this step (``model.before``: their values when the step began)."""
-
-    @staticmethod
-    def forward(ctx, x, index, model):
-        ctx.index, ctx.model = index, model
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        model, index = ctx.model, ctx.index
-        later = [p for block in model.blocks[index:] for p in block.parameters()]
-        ctx.model.log.append((index, sum(not torch.equal(p, model.before[p]) for p in later)))
-        return g, None, None
-
-
-class _Blocks(nn.Module):
-    """Three residual blocks in an ``nn.ModuleList`` (what ``regional=True`` compiles), an eager
-    marker before each."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(3))
-        self.log, self.before = [], {}
-
-    def forward(self, x):
-        for i, block in enumerate(self.blocks):
-            x = _Marker.apply(x, i, self)
-            x = x + block(x)
-        return x
-
-
-def _train_regional(release):
-    """STEPS steps of ``_Blocks`` through ``train_step(..., regional=True)``: the last step's log and
-    the stored bits."""
-    torch.manual_seed(0)
-    model = _Blocks()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    @flash_inductor.train_step(model=model, optimizer=opt, gradient_release=release, regional=True, **EAGER)
-    def step(x):
-        _loss(model, x).backward()
-        opt.step()
-        opt.zero_grad()
-
-    for x in _batches(128):
-        model.log.clear()
-        model.before = {p: p.detach().clone() for p in model.parameters()}
-        step(x)
-    return model.log, stored_bits(model, opt)
-
-
-def test_regional_train_step_applies_each_blocks_gradients_before_the_next_blocks_backward():
-    """``train_step(..., regional=True)`` compiles each block on its own, so its backward is a graph
-    of its own. With release, a block's parameters are updated, and their gradients freed, before
-    the backward of the block before it starts: the gradients of one block are alive at a time (a
-    whole-step graph returns them all at its end: the H200 measures that peak,
-    docs/benchmarks.md). Without release nothing is updated before ``step()``. Release stores the
-    bits of the normal regional step."""
-    normal_log, normal = _train_regional(release=False)
-    released_log, released = _train_regional(release=True)
-    per_block = 2  # weight and bias
-    # (Block 0's marker has no backward: the input needs no gradient.)
-    assert normal_log == [(2, 0), (1, 0)]
-    assert released_log == [(2, per_block), (1, 2 * per_block)]
-    for key in normal:
-        assert torch.equal(released[key], normal[key]), key
-
-
-def test_a_regional_step_compiles_each_block_and_inspect_shows_their_graphs():
-    """The blocks are torch's own ``nn.Sequential`` (``nn.Module.compile`` would leave them eager):
-    the step compiles model graphs that each hold one block's weight and bias, and its optimizer
-    step, and ``inspect`` runs it as it is (not the whole step compiled)."""
-    torch.manual_seed(0)
-    model = _Blocks()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    @flash_inductor.train_step(model=model, optimizer=opt, regional=True, **EAGER)
-    def step(x):
-        _loss(model, x).backward()
-        opt.step()
-        opt.zero_grad()
-
-    model.before = {p: p.detach().clone() for p in model.parameters()}  # for the markers' log
-    report = flash_inductor.inspect(step, _batches(128, 1)[0])
-    model_graphs = [g for g in report.graphs if g.kind == "model"]
-    assert model_graphs and {sum(r.startswith("param") for r in g.roles.values()) for g in model_graphs} == {2}
-    assert any(g.kind == "optimizer step" for g in report.graphs)
-
-
-class _Scaled(nn.Module):
-    """A block whose forward reads a Python number of its own: Dynamo guards on it, so each block
-    compiles a graph of its own."""
-
-    def __init__(self, scale):
-        super().__init__()
-        self.linear, self.scale = nn.Linear(16, 16), scale
-
-    def forward(self, x):
-        return self.linear(x) * self.scale
-
-
-def test_a_regional_step_compiles_every_block_past_dynamos_recompile_limit():
-    model = nn.Sequential(nn.ModuleList(_Scaled(i + 1) for i in range(10)))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-
-    @flash_inductor.train_step(model=model, optimizer=opt, regional=True, **EAGER)
-    def step(x):
-        for block in model[0]:
-            x = block(x)
-        x.float().square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-    report = flash_inductor.inspect(step, torch.randn(4, 16, dtype=torch.bfloat16))
-    assert sum(g.kind == "model" for g in report.graphs) == 10  # Dynamo's default limit: 8
-
-
-def test_regional_train_step_needs_a_module_list():
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with pytest.raises(ValueError, match=r"regional=True.*Net has no nn.ModuleList.*regional=False"):
-        flash_inductor.train_step(lambda x: x, model=model, optimizer=opt, regional=True)
-    assert all(p.dtype == torch.float32 for p in model.parameters()) and not opt.state  # not prepared
-
-
 # ---------------------------------------------------------------------------------------- errors
 
 def _prepared(release=True):
@@ -316,15 +179,15 @@ def _prepared(release=True):
 
 def test_gradient_accumulation_is_refused_before_anything_is_written():
     model, opt = _prepared()
-    first, second = _batches(128, 2)
-    _loss(model, first).backward()
+    first, second = bf16_batches(128, 2)
+    square_loss(model, first).backward()
     after_one_step = stored_bits(model, opt)
     with pytest.raises(RuntimeError, match=r"gradient_release=True\).*second gradient.*optimizer.step\(\)"):
-        _loss(model, second).backward()
+        square_loss(model, second).backward()
     for key, value in stored_bits(model, opt).items():
         assert torch.equal(value, after_one_step[key]), key
     opt.zero_grad()  # the end of the step: the next backward updates again
-    _loss(model, second).backward()
+    square_loss(model, second).backward()
     assert not torch.equal(model.fc2.weight, after_one_step["fc2.weight"])
 
 
@@ -341,7 +204,7 @@ def test_a_gradient_that_bypassed_the_hooks_is_refused_at_step():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     flash_inductor.prepare(model, opt, compile_options=EAGER, gradient_release=True)
     model.fc2.weight.requires_grad_(True)
-    _loss(model, _batches(128, 1)[0]).backward()
+    square_loss(model, bf16_batches(128, 1)[0]).backward()
     assert [n for n, p in model.named_parameters() if p.grad is not None] == ["fc2.weight"]
     with pytest.raises(RuntimeError, match=r"'fc2.weight' has a gradient at optimizer.step\(\)"):
         opt.step()
@@ -357,7 +220,7 @@ def test_steps_of_freed_release_optimizers_do_not_exhaust_the_recompile_limit():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         flash_inductor.prepare(model, opt, gradient_release=release, compile_options=EAGER)
         before = model[0].weight.detach().clone()
-        _loss(model, torch.randn(2, 16, dtype=torch.bfloat16)).backward()
+        square_loss(model, torch.randn(2, 16, dtype=torch.bfloat16)).backward()
         opt.step()
         assert not torch.equal(model[0].weight, before)
 
@@ -395,7 +258,7 @@ def test_data_parallel_is_refused(two_process_group):
     flash_inductor.prepare(model, opt, compile_options=EAGER, gradient_release=True)
     before = stored_bits(model, opt)
     with pytest.raises(RuntimeError, match="plain tensor in a 2-process run.*gradient_release=False"):
-        _loss(model, _batches(128, 1)[0]).backward()
+        square_loss(model, bf16_batches(128, 1)[0]).backward()
     for key, value in stored_bits(model, opt).items():
         assert torch.equal(value, before[key]), key
 
