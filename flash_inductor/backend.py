@@ -71,7 +71,7 @@ def prepare_fp8(model: torch.nn.Module, **options):
 
 
 # Set on a step whose model's blocks are compiled rather than the step itself (train_step's
-# regional=True): the modules compiled, by name.
+# regional=True): the list of those blocks.
 COMPILED_BLOCKS = "_flashoptim_compiled_blocks"
 
 
@@ -80,8 +80,9 @@ def inspect(fn, *args, **kwargs):
 
     ``fn`` may be a plain function (compiled here with ``backend="flashoptim"``) or one already
     compiled with it (its options are kept), such as a ``train_step``; one made with
-    ``regional=True`` runs as it is, its blocks' graphs being what it compiles. Dynamo's caches are reset first, so every graph is
-    captured and every pass really runs: other compiled functions recompile on their next call.
+    ``regional=True`` runs as it is, its blocks' graphs being what it compiles. Dynamo's caches are
+    reset first, so every graph is captured and every pass really runs: other compiled functions
+    recompile on their next call.
     """
     report = inspection.Report()
     compiled = hasattr(fn, "_torchdynamo_orig_callable") or hasattr(fn, COMPILED_BLOCKS)

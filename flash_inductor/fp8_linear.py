@@ -44,6 +44,11 @@ def ineligible_reason(weight, module_name, options):
         return f"weight {n}x{k}: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)"
     if n * k < options.fp8_min_weight_numel:
         return f"weight {n}x{k} is under fp8_min_weight_numel={options.fp8_min_weight_numel}"
+    return refused_by_user(module_name, options)
+
+
+def refused_by_user(module_name, options):
+    """Why ``fp8_exclude`` or ``fp8_filter`` keep module ``module_name`` in bf16, or None."""
     if any(fnmatch.fnmatchcase(module_name, pattern) for pattern in options.fp8_exclude):
         return f"excluded by fp8_exclude {list(options.fp8_exclude)}"
     if options.fp8_filter is not None and not options.fp8_filter(module_name):

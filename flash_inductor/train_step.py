@@ -1,6 +1,5 @@
 """``@flash_inductor.train_step``: prepare, and compile a training step (whole, or its model's blocks), in one place."""
 
-import fnmatch
 import functools
 
 import torch
@@ -9,6 +8,7 @@ import torch.nn as nn
 from flash_inductor import roles
 from flash_inductor.backend import COMPILED_BLOCKS, prepare_fp8
 from flash_inductor.backend import compile as compile_with_backend
+from flash_inductor.fp8_linear import refused_by_user
 from flash_inductor.options import Options
 from flash_inductor.prepare import prepare
 
@@ -46,7 +46,7 @@ def train_step(fn=None, *, model, optimizer, regional=False, **options):
     if regional:  # checked before anything changes
         Options.from_dict(options)
         blocks = repeated_blocks(model)
-        _block_fp8_options(model, blocks, options)
+        block_options = _block_fp8_options(model, blocks, options)
     if optimizer not in roles.PREPARED:
         # The optimizer's own compiled step (and gradient release's) runs with these options too.
         prepare(model, optimizer, compile_options=options, **prepare_args)
@@ -55,7 +55,6 @@ def train_step(fn=None, *, model, optimizer, regional=False, **options):
     if options.get("fp8") == "delayed" or options.get("fp8_all_gather"):
         prepare_fp8(model, **options)
     if regional:
-        block_options = _block_fp8_options(model, blocks, options)
         for block in blocks:
             block.forward = _compiled_block_forward(block, len(blocks), block_options)
 
@@ -99,17 +98,13 @@ def _block_fp8_options(model, blocks, options):
     if parsed.fp8 is None or not (parsed.fp8_exclude or parsed.fp8_filter):
         return options
     block_name = {id(m): name for name, m in model.named_modules()}
-
-    def in_fp8(name):
-        return (not any(fnmatch.fnmatchcase(name, pattern) for pattern in parsed.fp8_exclude)
-                and (parsed.fp8_filter is None or parsed.fp8_filter(name)))
-
     chosen = {}  # name within a block -> (in FP8, the first full name it was decided for)
     for block in blocks:
         for inner, _ in block.named_modules():
             name = ".".join(filter(None, (block_name[id(block)], inner)))
-            first = chosen.setdefault(inner, (in_fp8(name), name))
-            if first[0] != in_fp8(name):
+            in_fp8 = refused_by_user(name, parsed) is None
+            first = chosen.setdefault(inner, (in_fp8, name))
+            if first[0] != in_fp8:
                 fp8, other = (first[1], name) if first[0] else (name, first[1])
                 raise ValueError(
                     f"train_step(regional=True): fp8_exclude / fp8_filter keep {fp8} in FP8 but not {other}; the "
