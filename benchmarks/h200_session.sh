@@ -67,6 +67,10 @@
 #              (--pipelined); first the GPU tests of CUDA graphs and FP8 (GRAPH_TESTS=0 skips them)
 #   hfsnapshot issue 14: who holds the memory between steps, HF GPT-2 124M: baseline and flashoptim
 #   gptsnapshot   the same for our GPT (train_gpt.py's, 124m shape): flashoptim
+#   landing14  issue 14, PART=speed (default): every GPU test (gradients landed at the step, the FP8 transposes
+#              merged), then the Llama's baseline against flashoptim + FP8 + fast accumulation + cudagraphs
+#              (is_causal, 40 steps, 20 back to back, profiled); PART=release: the Llama with Hugging Face's
+#              activation checkpointing, baseline and regional flashoptim with and without gradient release
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -301,6 +305,22 @@ case $stage in
     deadline=${QUALITY_DEADLINE:-505}
     logged "$name" $((deadline + 35)) quality.py ${QUALITY_ARGS:---seeds 0 1 2 --configs fp32_fused_autocast,flashoptim,flashoptim_fp8} \
       --jobs "${QUALITY_JOBS:-3}" --deadline-s "$deadline" --runs-dir /tmp/quality --plot "$out/$name.png"
+    ;;
+  landing14)
+    case ${PART:-speed} in
+      speed)
+        timeout 260 python -m pytest -v -m gpu tests/test_gpu.py tests/test_gradient_release.py tests/test_fp8_delayed.py \
+          2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_landing14_h200.log"
+        tail -4 "$out/gpu_tests_landing14_h200.log"
+        logged hf_clients_llama_landing_h200 330 hf_clients.py --model llama --attention is_causal \
+          --configs baseline,flashoptim_fp8+fastaccum+cudagraphs --steps 40 --log-every 20 --pipelined 20 --profile 2
+        ;;
+      release)
+        logged hf_clients_llama_checkpoint_h200 560 hf_clients.py --model llama --attention is_causal \
+          --configs baseline+checkpoint,flashoptim+regional+checkpoint,flashoptim_release+regional+checkpoint \
+          --steps 8 --warmup 3 --log-every 4
+        ;;
+    esac
     ;;
   multigpu)
     # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else

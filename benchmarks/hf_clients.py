@@ -29,15 +29,20 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
                         forward under bf16 autocast: the baseline's activation precision
     +cudagraphs         the model's forward and backward as CUDA graphs (the backend's cudagraphs=True)
     +fp32states         fp32 optimizer states (prepare's state_bits=None; masters stay split)
+    +fp8lmstates        FP8-LM's optimizer states (prepare's state_format="fp8lm": e4m3 first moment and fp16
+                        second moment, a scale per tensor; 8.0 B/param where the companded 8-bit states take 7.1)
     +masters32          32-bit masters (prepare's master_weight_bits=32: an int16 error term)
     +fastaccum          the FP8 forward GEMMs in the tensor cores' fast accumulation (fp8_fast_accum=True),
                         torchao's default for that GEMM
     +regional           train_step's regional=True: the decoder layers compiled one by one, the rest eager
                         (with flashoptim_release: each layer's gradients applied and freed as its backward ends)
-e.g. ``flashoptim_fp8+fp32act+cudagraphs``. The baseline takes one:
+    +checkpoint         Hugging Face's activation checkpointing (gradient_checkpointing_enable, non-reentrant):
+                        the layers' forward recomputed in backward, so the peak comes in backward
+e.g. ``flashoptim_fp8+fp32act+cudagraphs``. The baseline takes two:
     +foreach            torch AdamW's foreach implementation instead of the fused one: the same arithmetic
                         rounded in another order, so the loss moves only by how training amplifies rounding
                         (the resolution of comparing two rows of one seed)
+    +checkpoint         as above
 The flashoptim rows compile the whole step (train_step); the others compile the forward and the
 loss (``torch.compile``, Inductor) and run backward, clipping and the optimizer step eagerly.
 Peers are skipped with a note when their package is missing or does not apply. Every row: AdamW
@@ -225,16 +230,29 @@ def compiled(fn, args):
     return fn if args.no_inductor else torch.compile(fn)
 
 
-def build_baseline(model, args, fused=None):
+def checkpoint_activations(model):
+    """Hugging Face's activation checkpointing (each decoder layer's forward recomputed in backward),
+    torch's non-reentrant checkpoint."""
+    if not hasattr(model, "gradient_checkpointing_enable"):
+        raise ValueError(f"+checkpoint: {type(model).__name__} is not a Hugging Face model (gradient_checkpointing_enable)")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def build_baseline(model, args, fused=None, activation_checkpointing=False):
     """``fused=None``: torch's fused AdamW on CUDA, else its default."""
+    if activation_checkpointing:
+        checkpoint_activations(model)
     fused = args.device.startswith("cuda") if fused is None else fused
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=fused)
     step = make_step(compiled(loss_function(model, True), args), model.parameters(), opt, args.clip)
     return Setup(model, opt, step, autocast=True), args.clip
 
 
-def build_flashoptim(model, args, gradient_release=False, fp32_activations=False, **options):
+def build_flashoptim(model, args, gradient_release=False, fp32_activations=False, activation_checkpointing=False,
+                     **options):
     """``fp32_activations=True`` runs the forward under autocast, which it needs."""
+    if activation_checkpointing:
+        checkpoint_activations(model)
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args))
     clip = 0 if gradient_release else args.clip
     if args.no_inductor:
@@ -335,11 +353,13 @@ MODIFIERS = {
     "cudagraphs": dict(cudagraphs=True),
     "fp32act": dict(fp32_activations=True),
     "fp32states": dict(state_bits=None),
+    "fp8lmstates": dict(state_format="fp8lm"),
     "masters32": dict(master_weight_bits=32),
     "fastaccum": dict(fp8_fast_accum=True),
     "regional": dict(regional=True),
+    "checkpoint": dict(activation_checkpointing=True),
 }
-BASELINE_MODIFIERS = {"foreach": dict(fused=False)}
+BASELINE_MODIFIERS = {"foreach": dict(fused=False), "checkpoint": dict(activation_checkpointing=True)}
 
 
 def parse_configuration(name):

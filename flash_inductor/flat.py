@@ -275,12 +275,27 @@ class Bucket:
         store = self._gradient_store()
         return store is not None and store.untyped_storage().nbytes() > 0
 
-    def hold_gradients(self):
-        """Give the gradient store its storage again (zeros) after ``release_gradients``."""
-        if not self.gradients_held():
-            store = self._gradient_store()
-            store.untyped_storage().resize_(store.numel() * store.element_size())
+    def hold_gradients(self, filled_by=()):
+        """Give the gradient store its storage again (zeros) after ``release_gradients``. The views of
+        parameters ``filled_by`` (indices), which the caller writes whole next, are left unzeroed:
+        zeroing a 1B model's buffer took 0.56 ms of the H200's step."""
+        if self.gradients_held():
+            return
+        store = self._gradient_store()
+        store.untyped_storage().resize_(store.numel() * store.element_size())
+        if not filled_by:
             store.zero_()
+            return
+        # What no copy writes: the other parameters' segments and the padding of the filled ones.
+        zeros = []
+        for index, p in enumerate(self.params):
+            segment = self.segments[p]
+            end = segment.offset + segment_length(segment.numel)
+            start = segment.offset + segment.numel if index in filled_by else segment.offset
+            if end > start:
+                zeros.append(store[start:end])
+        if zeros:
+            torch._foreach_zero_(zeros)
 
     def release_gradients(self):
         """Free the gradient store (``zero_grad``; the flat buffer with ``set_to_none=True``, when no
@@ -293,19 +308,21 @@ class Bucket:
         self._received.clear()
         self._expected.clear()
 
-    def land(self, index, from_backward=False):
-        """Make parameter ``index``'s gradient its view of the flat buffer (copying one that is not).
-        From backward (its post-accumulate-grad hook), the first gradient of a step that autograd
-        created also presets the other parameters' views (``_preset_views``). With FP8 gradients:
-        add it to the parameter's FP8 gradient (``_encode_gradient``)."""
+    def land(self, index):
+        """Parameter ``index``'s gradient, just accumulated by autograd (its post-accumulate-grad hook),
+        made its view of the flat buffer (copied when it is not). The first gradient of a step that
+        autograd created also presets the other parameters' views (``_preset_views``). With FP8
+        gradients: added to the parameter's FP8 gradient (``_encode_gradient``). Under
+        ``land_gradients_at_step``: nothing here, the step copies them all in (``_land_all``)."""
         if self.fp8_grads is not None:
             self._encode_gradient(index)
             return
+        if self._record().gradients_land_at_step:
+            return
         p, view = self.params[index], self.grad_views[index]
-        first = from_backward and not self._received
-        if from_backward:
-            self._received.add(index)
-            self._expected.discard(index)
+        first = not self._received
+        self._received.add(index)
+        self._expected.discard(index)
         grad = p.grad
         if grad is None or grad is view or grad.is_sparse or grad.dtype != view.dtype or grad.shape != view.shape:
             return  # nothing to do, or a gradient the step refuses (checks.check_grad) before writing
@@ -387,14 +404,26 @@ class Bucket:
                 self.params[index].grad = None
         self._expected.clear()
         self._last_received, self._received = self._received, set()
-        flags = []
+        flags, copies = [], []
         for index, (p, view) in enumerate(zip(self.params, self.grad_views)):
             grad = p.grad
             flags.append(grad is not None)
             if grad is not None and grad is not view:
                 checks.check_grad(record, p)
-                self.land(index)
+                copies.append(index)
+        self._land_all(copies)
         return flags
+
+    def _land_all(self, indices):
+        """Copy the gradients of parameters ``indices`` (checked, not their views yet) into their
+        views, in one foreach copy, and make the views their ``.grad``."""
+        if not indices:
+            return
+        self.hold_gradients(filled_by=set(indices))
+        views = [self.grad_views[i] for i in indices]
+        torch._foreach_copy_(views, [self.params[i].grad for i in indices])
+        for index, view in zip(indices, views):
+            self.params[index].grad = view
 
     def _fp8_gradient_flags(self):
         """Which parameters have an FP8 gradient (a ``.grad`` set by hand is added first); the step
@@ -588,9 +617,18 @@ def _lander(bucket_ref, index):
     def land(param):
         bucket = bucket_ref()
         if bucket is not None:
-            bucket.land(index, from_backward=True)
+            bucket.land(index)
 
     return land
+
+
+def land_gradients_at_step(record):
+    """Leave each gradient autograd's own tensor until the step copies them all into the flat
+    buffers (one foreach copy per bucket). For a backward compiled as one graph, whose gradients
+    all exist when its first hook runs: landing each there costs a fill of the buffer and an add
+    per parameter (the zero views given as ``.grad``, ``_preset_views``), twice the memory traffic.
+    An eager backward keeps landing each gradient as it comes, which frees it at once."""
+    record.gradients_land_at_step = True
 
 
 @torch.compiler.disable

@@ -37,6 +37,9 @@ class PreparedOptimizer:
     state_format: str = "companded"  # how quantized states are stored: a name in STATE_FORMATS
     gradient_format: str | None = None  # FP8 gradients of quantized buckets: a name in tensor_scaled.GRADIENT_FORMATS
     internal: bool = False  # an optimizer a prepared step runs (bucket, local, gradient release), not the user's
+    # Gradients stay autograd's own tensors until the step, which copies them into the flat buffers
+    # at once (a whole-step graph's backward: flat.land_gradients_at_step).
+    gradients_land_at_step: bool = False
 
     @property
     def optimizer(self):

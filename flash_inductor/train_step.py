@@ -5,10 +5,11 @@ import functools
 import torch
 import torch.nn as nn
 
-from flash_inductor import roles
+from flash_inductor import flat, roles
 from flash_inductor.backend import COMPILED_BLOCKS, prepare_fp8
 from flash_inductor.backend import compile as compile_with_backend
 from flash_inductor.fp8_linear import refused_by_user
+from flash_inductor.optimizer_record import prepared
 from flash_inductor.options import Options
 from flash_inductor.prepare import prepare
 
@@ -64,6 +65,9 @@ def train_step(fn=None, *, model, optimizer, regional=False, **options):
 
         setattr(step, COMPILED_BLOCKS, blocks)
         return step
+    if not prepared(optimizer).gradient_release:
+        # The whole step's backward is one graph: its gradients all come out at its end.
+        flat.land_gradients_at_step(prepared(optimizer))
     compiled = compile_with_backend(fn, **options)
     return functools.wraps(fn)(compiled)
 

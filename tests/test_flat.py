@@ -4,8 +4,8 @@
    segment starting at a multiple of 32; the padding stays zero through training.
 2. Gradients land in the flat buffer (first backward, after ``opt.zero_grad()`` and
    ``model.zero_grad()``, accumulated over two backwards; from the second step on into preset
-   views, without copies); a gradient replaced by another tensor is used; ``zero_grad()`` frees
-   the flat buffer.
+   views, without copies), or all at the step in one copy (``land_gradients_at_step``); a gradient
+   replaced by another tensor is used; ``zero_grad()`` frees the flat buffer.
 3. One step for all: the rewritten step graph has as many nodes, and Inductor as many kernels,
    for 8 parameters as for 2.
 4. Stock semantics: a parameter without a gradient keeps every stored bit and its step count, and
@@ -171,6 +171,73 @@ def test_from_the_second_step_gradients_accumulate_into_preset_views_without_cop
     # gradients still in it: the preset views are zeroed first
     model.zero_grad()
     assert_landed_in_place()
+
+
+class _RecordOps(TorchDispatchMode):
+    """The ops that run under it, with their arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+    def args_of(self, op):
+        return [args for func, args in self.calls if func is op]
+
+
+def _elements(views, buffer):
+    """The elements of ``buffer`` (flat) that ``views`` cover, as a set of indices."""
+    covered = set()
+    for view in views:
+        assert _inside(view, buffer)
+        start = view.storage_offset() - buffer.storage_offset()
+        covered.update(range(start, start + view.numel()))
+    return covered
+
+
+def test_gradients_landed_at_the_step_in_one_copy_give_the_same_bits():
+    """``land_gradients_at_step`` (train_step's whole-step graph): backward leaves autograd's
+    gradients as they are; the step copies them in with one foreach copy per bucket and zeroes only
+    what no copy writes (the padding, the parameters without a gradient: no fill of the whole
+    buffer). Three steps, one of them without the ``extra`` layer's gradients, store the bits of
+    landing each gradient in backward."""
+    results = []
+    for at_step in (False, True):
+        model, opt = _prepared_net()
+        record = prepared(opt)
+        if at_step:
+            flat.land_gradients_at_step(record)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(3):
+            x = torch.randn(8, 128, generator=gen, dtype=torch.bfloat16)
+            loss = model(x).float().square().mean()
+            if step != 1:
+                loss = loss + model.extra(x[:, :3]).float().sum()
+            with _RecordOps() as backward_ops:
+                loss.backward()
+            if at_step:
+                with _RecordOps() as step_ops:  # what the step runs first
+                    flat.collect_gradients(record)
+                assert not backward_ops.args_of(torch.ops.aten.copy_.default)
+                assert not step_ops.args_of(torch.ops.aten.zero_.default)
+                copied = step_ops.args_of(torch.ops.aten._foreach_copy_.default)
+                zeroed = [view for (views,) in step_ops.args_of(torch.ops.aten._foreach_zero_.default) for view in views]
+                assert len(copied) == len(record.buckets)
+                for bucket, (views, _) in zip(record.buckets, copied):
+                    written = _elements(views, bucket.grads)
+                    cleared = _elements([z for z in zeroed if _inside(z, bucket.grads)], bucket.grads)
+                    assert not written & cleared and written | cleared == set(range(bucket.grads.numel()))
+                    with_grad = [bucket.grad_views[i] for i, p in enumerate(bucket.params) if p.grad is not None]
+                    assert written == _elements(with_grad, bucket.grads)
+            opt.step()
+            opt.zero_grad()
+        results.append(snapshot(model, opt))
+    assert results[0].keys() == results[1].keys()
+    for key in results[0]:
+        assert torch.equal(results[0][key], results[1][key]), key
 
 
 def test_replaced_gradients_give_the_same_step_as_gradients_in_place():

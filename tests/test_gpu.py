@@ -315,28 +315,60 @@ def test_fp8_transpose_kernel_is_the_transposed_copy(shape, dtype):
     assert torch.equal(out.view(torch.uint8), t.t().contiguous().view(torch.uint8))
 
 
+def _backward_kernel_launches(model, x, **options):
+    """{CUDA kernel: launches} of the second forward and backward of ``model`` compiled with
+    ``options`` (the first compiles); ``model``'s gradients are that backward's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    compiled = flash_inductor.compile(model, **options)
+    compiled(x).float().square().mean().backward()
+    model.zero_grad()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        compiled(x).float().square().mean().backward()
+        torch.cuda.synchronize()
+    return {e.key: e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
 def test_compiled_fp8_backward_transposes_in_its_own_kernel():
     """The weight gradient's two transposed copies are launches of fp8_transpose's kernel, not fused
     into the norm backward that produces the gradient; the gradients keep FP8's accuracy."""
-    from torch.profiler import ProfilerActivity, profile
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.RMSNorm(512), nn.Linear(512, 512, bias=False)).cuda()
     x = torch.randn(256, 512, device="cuda", requires_grad=True)
     model(x).float().square().mean().backward()
     reference = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    compiled = flash_inductor.compile(model, fp8="tensorwise", fp8_min_weight_numel=0)
-    compiled(x).float().square().mean().backward()  # compiles
-    model.zero_grad()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        compiled(x).float().square().mean().backward()
-        torch.cuda.synchronize()
-    launches = {e.key: e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA}
+    launches = _backward_kernel_launches(model, x, fp8="tensorwise", fp8_min_weight_numel=0)
     assert launches.get("transpose_kernel") == 4, launches  # 2 linears x (gradient, input)
     for p, ref in zip(model.parameters(), reference):
         sqnr = 10 * torch.log10(ref.float().square().sum() / (p.grad.float() - ref.float()).square().sum())
         assert sqnr >= 20, (p.shape, sqnr)
+
+
+def test_linears_reading_one_input_share_its_transposed_fp8_copy():
+    """q, k and v projections of one input (fp8_transpose_cse): the backward transposes the input's
+    e4m3 cast once, not three times, and its gradients are the bits of the backward that does not
+    merge them."""
+
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(512, 512, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            return self.q(x) * self.k(x) + self.v(x)
+
+    x = torch.randn(256, 512, device="cuda", requires_grad=True)
+    runs = []
+    for disable in ((), ("fp8_transpose_cse",)):
+        torch.manual_seed(0)
+        model = QKV().cuda()
+        launches = _backward_kernel_launches(model, x, fp8="tensorwise", fp8_min_weight_numel=0, disable=disable)
+        runs.append((launches.get("transpose_kernel"), [p.grad.clone() for p in model.parameters()]))
+        torch._dynamo.reset()
+    assert runs[0][0] == 4 and runs[1][0] == 6, (runs[0][0], runs[1][0])  # 3 gradients + the input once, or 3 times
+    for merged, separate in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(merged, separate)
 
 
 @pytest.mark.parametrize("gradient_format", ["e5m2", "e4m3"])

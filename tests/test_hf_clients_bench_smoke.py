@@ -261,3 +261,17 @@ def test_configuration_modifiers_are_backend_options_of_the_flashoptim_rows(benc
             bench.parse_configuration(name)
     with pytest.raises(SystemExit):
         bench.parse_args(["--configs", "baseline,flashoptim+nope"])
+
+
+def test_checkpoint_modifier_recomputes_the_layers_in_backward(bench, fresh_dynamo):
+    """``+checkpoint`` turns on Hugging Face's activation checkpointing, for the baseline and ours;
+    a model without it is refused by name."""
+    args = bench.parse_args(["--model", "llama", "--size", "tiny", "--device", "cpu", "--no-inductor"])
+    for name in ("baseline+checkpoint", "flashoptim_release+regional+checkpoint"):
+        setup, _, _ = bench.build(name, args, torch.device("cpu"))
+        assert setup.model.is_gradient_checkpointing, name
+    plain, _, _ = bench.build("flashoptim", args, torch.device("cpu"))
+    assert not plain.model.is_gradient_checkpointing
+    args = bench.parse_args(["--model", "gpt", "--size", "tiny", "--device", "cpu", "--no-inductor"])
+    with pytest.raises(ValueError, match=r"\+checkpoint: GPT is not a Hugging Face model"):
+        bench.build("baseline+checkpoint", args, torch.device("cpu"))
