@@ -71,6 +71,10 @@
 #              merged), then the Llama's baseline against flashoptim + FP8 + fast accumulation + cudagraphs
 #              (is_causal, 40 steps, 20 back to back, profiled); PART=release: the Llama with Hugging Face's
 #              activation checkpointing, baseline and regional flashoptim with and without gradient release
+#   fp8lmstates issue 14: the Llama (is_causal, 40 steps, profiled, 20 back to back) with FP8-LM's optimizer
+#              states, without and with FP8 linears (fast accumulation, cudagraphs), against the baseline: what
+#              Inductor's FP8-LM step costs there, and the speed of the one configuration left for the issue's
+#              three targets together (its loss over seeds: hfllamaseeds with RUNS="flashoptim_fp8+fastaccum+fp8lmstates:0 ...")
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -321,6 +325,11 @@ case $stage in
           --steps 8 --warmup 3 --log-every 4
         ;;
     esac
+    ;;
+  fp8lmstates)
+    logged hf_clients_llama_fp8lmstates_h200 560 hf_clients.py --model llama --attention is_causal \
+      --configs baseline,flashoptim+fp8lmstates,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates --steps 40 \
+      --log-every 20 --pipelined 20 --profile 2
     ;;
   multigpu)
     # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else

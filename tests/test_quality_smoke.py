@@ -245,7 +245,8 @@ def test_hazard_measures_of_one_tensor(quality):
 
 def test_gradient_clipping_reaches_the_prepared_step(quality, fresh_dynamo):
     """The protocol clips inside the train step (``clip_grad_norm_`` between backward and step). On a
-    prepared optimizer the gradients are bf16 views of flat buffers: the step must read them clipped."""
+    prepared optimizer the step reads the gradients from flat buffers (train_step's are copied in at
+    the step): the buffers must hold them clipped."""
     train_gpt = sys.modules["train_gpt"]
     torch.manual_seed(0)
     model = train_gpt.GPT(train_gpt.GPTConfig(1, 64, 4, 32))
@@ -255,13 +256,13 @@ def test_gradient_clipping_reaches_the_prepared_step(quality, fresh_dynamo):
     seen = []
 
     @torch.compiler.disable
-    def before_step(optimizer, args, kwargs):
+    def after_step(optimizer, args, kwargs):
         grads = [p.grad for p in model.parameters()]
         flat = {b.grads.untyped_storage().data_ptr() for b in roles.PREPARED[optimizer].buckets}
         norm = torch.stack([g.double().norm() for g in grads]).norm().item()
         seen.append((norm, all(g.untyped_storage().data_ptr() in flat for g in grads)))
 
-    opt.register_step_pre_hook(before_step)
+    opt.register_step_post_hook(after_step)  # before zero_grad: the gradients the step read
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):
         step(*torch.randint(0, 256, (2, 4, 32), generator=gen))
