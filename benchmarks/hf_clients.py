@@ -235,7 +235,11 @@ def checkpoint_activations(model):
     torch's non-reentrant checkpoint."""
     if not hasattr(model, "gradient_checkpointing_enable"):
         raise ValueError(f"+checkpoint: {type(model).__name__} is not a Hugging Face model (gradient_checkpointing_enable)")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    non_reentrant = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # newer transformers; the other name is its deprecated alias
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
 
 
 def build_baseline(model, args, fused=None, activation_checkpointing=False):
