@@ -65,9 +65,10 @@ def train_step(fn=None, *, model, optimizer, regional=False, **options):
 
         setattr(step, COMPILED_BLOCKS, blocks)
         return step
-    if not prepared(optimizer).gradient_release:
+    record = prepared(optimizer)
+    if not record.gradient_release:
         # The whole step's backward is one graph: its gradients all come out at its end.
-        flat.land_gradients_at_step(prepared(optimizer))
+        flat.land_gradients_at_step(record)
     compiled = compile_with_backend(fn, **options)
     return functools.wraps(fn)(compiled)
 

@@ -56,24 +56,23 @@ def fp8_transpose_cse_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]]:
         if key is None:
             continue
         if key in first_of:
-            duplicates.append((node.name, first_of[key].name))
+            duplicates.append((node, first_of[key]))
         else:
             first_of[key] = node
     if not duplicates:
         return graph, []
     new_graph = fx.Graph()
-    env = {}
-    new_graph.output(new_graph.graph_copy(graph, env))
-    nodes = {n.name: new for n, new in env.items()}
-    for duplicate_name, first_name in duplicates:
-        duplicate, first = nodes[duplicate_name], nodes[first_name]
+    copy_of = {}
+    new_graph.output(new_graph.graph_copy(graph, copy_of))
+    for old_duplicate, old_first in duplicates:
+        duplicate, first = copy_of[old_duplicate], copy_of[old_first]
         for getitem in list(duplicate.users):
             getitem.replace_all_uses_with(_output(new_graph, first, getitem.args[1]))
             new_graph.erase_node(getitem)
         empty = duplicate.kwargs["kwargs"]["dst"]
         new_graph.erase_node(duplicate)
         new_graph.erase_node(empty)
-    return new_graph, [name for name, _ in duplicates]
+    return new_graph, [duplicate.name for duplicate, _ in duplicates]
 
 
 def _key(node, kernel):
