@@ -71,14 +71,17 @@
 #              merged), then the Llama's baseline against flashoptim + FP8 + fast accumulation + cudagraphs
 #              (is_causal, 40 steps, 20 back to back, profiled); PART=release: the Llama with Hugging Face's
 #              activation checkpointing, baseline and regional flashoptim with and without gradient release
-#   fp8lmstates issue 14: the Llama (is_causal, 40 steps, profiled, 20 back to back) with FP8-LM's optimizer
-#              states, without and with FP8 linears (fast accumulation, cudagraphs), against the baseline: what
-#              Inductor's FP8-LM step costs there, and the speed of the one configuration left for the issue's
-#              three targets together (its loss over seeds: hfllamaseeds with RUNS="flashoptim_fp8+fastaccum+fp8lmstates:0 ...")
+#   fp8lmstates issue 14, FP8-LM's optimizer states: PART=step (default) the GPU tests of test_gpu.py and of the
+#              states, then optimizer_step.py on the 1.2B GPT's tensors, the default step against the FP8-LM one
+#              (its per-tensor amax without atomics); PART=llama the Llama (is_causal, 40 steps, profiled, 20 back to
+#              back): the baseline against FP8 linears with FP8-LM's states (fast accumulation, cudagraphs), the one
+#              configuration left for the issue's three targets together (its loss over seeds: hfllamaseeds with
+#              RUNS="flashoptim_fp8+fastaccum+fp8lmstates:0 ...")
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
-#              single-GPU run of the global batch, the loss reference). NVLink multicast stays off in every process.
+#              single-GPU run of the global batch, the loss reference; MGPU_GPUS=2 runs it on one GPU for a 2-GPU
+#              machine's batch). NVLink multicast stays off in every process.
 set -uo pipefail
 stage=$1
 out=${2:-${OUT:-benchmarks/results}}
@@ -327,14 +330,25 @@ case $stage in
     esac
     ;;
   fp8lmstates)
-    logged hf_clients_llama_fp8lmstates_h200 560 hf_clients.py --model llama --attention is_causal \
-      --configs baseline,flashoptim+fp8lmstates,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates --steps 40 \
-      --log-every 20 --pipelined 20 --profile 2
+    case ${PART:-step} in
+      step)  # the GPU tests of the FP8-LM states and test_gpu.py, then the step alone on the 1.2B GPT's tensors
+        timeout 200 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8lm_states.py 2>&1 | grep -v "^DEBUG" \
+          > "$out/gpu_tests_fp8lmstates_h200.log"
+        tail -4 "$out/gpu_tests_fp8lmstates_h200.log"
+        logged optimizer_step_fp8lm_h200 220 optimizer_step.py --lists gpt_1b --configs flashoptim,flashoptim_fp8lmstates
+        ;;
+      llama)
+        logged hf_clients_llama_fp8lmstates_h200 420 hf_clients.py --model llama --attention is_causal \
+          --configs baseline,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates --steps 40 \
+          --log-every 20 --pipelined 20 --profile 2
+        ;;
+    esac
     ;;
   multigpu)
     # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    gpus=$(nvidia-smi -L | wc -l)
+    # MGPU_GPUS=2 on a machine of one: the single-GPU reference of a 2-GPU run (its global batch)
+    gpus=${MGPU_GPUS:-$(nvidia-smi -L | wc -l)}
     part=${MGPU_PART:-tests}
     case $part in
       tests)
@@ -347,8 +361,8 @@ case $stage in
           --rows ddp_bf16,ddp_fp8,fsdp_bf16,fsdp_fp8
         ;;
       124m_single|1b_single)
-        logged "distributed_${part}_${gpus}x_h200" 590 distributed.py --config "${part%_single}" --gpus all --steps 200 \
-          --rows single
+        logged "distributed_${part}_${gpus}x_h200" 590 distributed.py --config "${part%_single}" --gpus "$gpus" \
+          --steps 200 --rows single
         ;;
       *) echo "unknown MGPU_PART $part"; exit 2 ;;
     esac

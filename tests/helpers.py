@@ -4,6 +4,7 @@ import contextlib
 import importlib.util
 import math
 import pathlib
+import sys
 import tempfile
 
 import pytest
@@ -18,7 +19,10 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def benchmark_module(name):
-    """``benchmarks/{name}.py`` imported as a module, for tests of a benchmark script's logic."""
+    """``benchmarks/{name}.py`` imported as a module, for tests of a benchmark script's logic; its
+    sibling imports resolve as when it runs as a script."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

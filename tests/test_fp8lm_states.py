@@ -80,6 +80,43 @@ def test_non_finite_segments_decode_to_nan_and_leave_the_others_alone():
     assert torch.equal(scales[[1, 3]], clean_scales[[1, 3]])
 
 
+def random_segments(gen, n, count):
+    """``count`` segment starts in ``[0, n)``, increasing, the first 0."""
+    inner = (torch.randperm(n - 1, generator=gen)[:count - 1] + 1).sort().values
+    return torch.cat([torch.zeros(1, dtype=torch.int64), inner])
+
+
+def brute_segment_max(values, starts):
+    bounds = [*starts.tolist(), values.numel()]
+    return torch.stack([values[a:b].max() for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def test_segment_max_equals_brute_force_on_random_layouts():
+    """Pieces of 2 to 1024 values (one to a dozen levels of gathers, then ``scatter_reduce``),
+    segments of one value up to all of them, cuts falling on segment starts."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 3000, (1,), generator=gen))
+        starts = random_segments(gen, n, int(torch.randint(1, min(n, 24) + 1, (1,), generator=gen)))
+        values = torch.rand(n, generator=gen)
+        for piece_rows in (2, 3, 4, 16, 1024):
+            assert torch.equal(tensor_scaled.segment_max(values, starts, piece_rows), brute_segment_max(values, starts))
+
+
+def test_segment_max_compiled_equals_brute_force_and_keeps_nan():
+    """Inductor's kernels for three levels of pieces (4 values each) and the last ``scatter_reduce``;
+    a nan stays in its segment."""
+    gen = torch.Generator().manual_seed(1)
+    starts = torch.cat([random_segments(gen, 1990, 6), torch.tensor([1990, 1991])])  # and two of one value
+    values = torch.rand(2000, generator=gen)
+    values[[5, 1000]] = 0.0
+    compiled = torch.compile(tensor_scaled.segment_max, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(values, starts, 4), brute_segment_max(values, starts))
+    values[int(starts[3]) + 1] = float("nan")
+    got = compiled(values, starts, 4)
+    assert torch.isnan(got[3]) and torch.equal(got[torch.arange(8) != 3], brute_segment_max(values, starts)[torch.arange(8) != 3])
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float16])
 def test_reencoding_decoded_values_gives_back_every_bit(dtype):
     """Every possible largest code above target / 2, with every code below it in the same tensor,
@@ -373,6 +410,21 @@ def test_gradient_release_stores_the_bits_of_the_flat_step():
         train(model, opt, BATCHES[:3])
         runs.append(stored_bits(model, opt))
     assert_same_bits(*runs)
+
+
+@pytest.mark.gpu
+def test_segment_max_in_cuda_kernels_equals_brute_force_on_a_gpt2_layout():
+    """Inductor's Triton kernels for the segmented max on the rows of GPT-2 124M's 148 tensors
+    (3.9M rows: the embedding's 1.2M in one segment, biases of 24 rows), with and without a nan."""
+    shapes = benchmark_module("optimizer_step").gpt2_124m_shapes()
+    rows = torch.tensor([-(-torch.Size(s).numel() // 32) for s in shapes])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), rows.cumsum(0)[:-1]])
+    values = torch.rand(int(rows.sum()), generator=torch.Generator().manual_seed(0))
+    values[int(starts[40]) + 3] = float("nan")
+    compiled = torch.compile(tensor_scaled.segment_max, fullgraph=True, dynamic=False)
+    got = compiled(values.cuda(), starts.cuda()).cpu()
+    expected = brute_segment_max(values, starts)
+    assert torch.isnan(got[40]) and torch.equal(got[torch.arange(len(shapes)) != 40], expected[torch.arange(len(shapes)) != 40])
 
 
 @pytest.mark.gpu
