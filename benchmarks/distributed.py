@@ -96,7 +96,7 @@ def _run_row(name, rank, world, args, corpus, device):
         rows = starts[s] if engine == "single" else starts[s].chunk(world)[rank]
         total = torch.zeros((), device=device)
         for piece in rows.chunk(pieces):
-            x, y = batch(corpus.train, piece.to(device), seq)
+            x, y = (t.to(device) for t in batch(corpus.train, piece, seq))  # the corpus stays in host memory
             loss = lm_loss(forward, x, y) / pieces
             if engine != "ddp":  # FSDP2's hooks under compiled autograd trained wrongly on the CPU (issue 17 notes)
                 loss.backward()

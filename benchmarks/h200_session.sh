@@ -71,12 +71,14 @@
 #              merged), then the Llama's baseline against flashoptim + FP8 + fast accumulation + cudagraphs
 #              (is_causal, 40 steps, 20 back to back, profiled); PART=release: the Llama with Hugging Face's
 #              activation checkpointing, baseline and regional flashoptim with and without gradient release
-#   fp8lmstates issue 14, FP8-LM's optimizer states: PART=step (default) the GPU tests of test_gpu.py and of the
-#              states, then optimizer_step.py on the 1.2B GPT's tensors, the default step against the FP8-LM one
-#              (its per-tensor amax without atomics); PART=llama the Llama (is_causal, 40 steps, profiled, 20 back to
-#              back): the baseline against FP8 linears with FP8-LM's states (fast accumulation, cudagraphs), the one
-#              configuration left for the issue's three targets together (its loss over seeds: hfllamaseeds with
-#              RUNS="flashoptim_fp8+fastaccum+fp8lmstates:0 ...")
+#   releasebatch issue 14: the Llama at one sequence of 1024 tokens, where the peak is not at the loss: the baseline,
+#              flashoptim (one compiled backward returns every gradient at once), regional flashoptim (gradients
+#              landed as each layer's backward ends) and the same with gradient release; steady peaks (no clipping)
+#   fp8lmstates issue 14, FP8-LM's optimizer states: the GPU tests of what changed, optimizer_step.py on the 1.2B
+#              GPT's tensors (the default step against the FP8-LM one, its per-tensor amax without atomics), then
+#              the Llama (is_causal, 40 steps, profiled, 20 back to back): the baseline against FP8 linears with
+#              FP8-LM's states (fast accumulation, cudagraphs), the one configuration left for the issue's three
+#              targets together (its loss over seeds: hfllamaseeds with RUNS="flashoptim_fp8+fastaccum+fp8lmstates:0 ...")
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -87,9 +89,13 @@ stage=$1
 out=${2:-${OUT:-benchmarks/results}}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-python -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1 || python -m pip install -q --no-build-isolation --no-deps -e .
+# installed once per machine: stages started side by side must not reinstall under each other's running processes
+if ! python -m pip show -q flash-inductor >/dev/null 2>&1; then
+  python -m pip install -q --no-build-isolation --no-deps -e . >/dev/null 2>&1 || python -m pip install -q --no-build-isolation --no-deps -e .
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  [ -d /tmp/site ] || python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -329,20 +335,22 @@ case $stage in
         ;;
     esac
     ;;
+  releasebatch)
+    # SHARED=1: other runs share the GPU (their times are not this run's; its memory is)
+    logged hf_clients_llama_release_batch1_h200 420 hf_clients.py --model llama --attention is_causal --batch 1 \
+      --seq 1024 --clip 0 --configs baseline,flashoptim,flashoptim+regional,flashoptim_release+regional --steps 8 \
+      --warmup 3 --log-every 4 ${SHARED:+--shared-gpu}
+    ;;
   fp8lmstates)
-    case ${PART:-step} in
-      step)  # the GPU tests of the FP8-LM states and test_gpu.py, then the step alone on the 1.2B GPT's tensors
-        timeout 200 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8lm_states.py 2>&1 | grep -v "^DEBUG" \
-          > "$out/gpu_tests_fp8lmstates_h200.log"
-        tail -4 "$out/gpu_tests_fp8lmstates_h200.log"
-        logged optimizer_step_fp8lm_h200 220 optimizer_step.py --lists gpt_1b --configs flashoptim,flashoptim_fp8lmstates
-        ;;
-      llama)
-        logged hf_clients_llama_fp8lmstates_h200 420 hf_clients.py --model llama --attention is_causal \
-          --configs baseline,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates --steps 40 \
-          --log-every 20 --pipelined 20 --profile 2
-        ;;
-    esac
+    # the GPU tests of what changed (the FP8-LM states' segmented amax, FP8 gradients, the FP8 transposes),
+    # the step alone on the 1.2B GPT's tensors (the default against the FP8-LM states), then the Llama
+    timeout 150 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8lm_states.py \
+      -k "segment_max or fp8lm or transpose or fp8_gradients" 2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_fp8lmstates_h200.log"
+    tail -4 "$out/gpu_tests_fp8lmstates_h200.log"
+    logged optimizer_step_fp8lm_h200 150 optimizer_step.py --lists gpt_1b --configs flashoptim,flashoptim_fp8lmstates
+    logged hf_clients_llama_fp8lmstates_h200 330 hf_clients.py --model llama --attention is_causal \
+      --configs baseline,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates --steps 40 \
+      --log-every 20 --pipelined 20 --profile 2
     ;;
   multigpu)
     # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else
