@@ -92,7 +92,7 @@ def brute_segment_max(values, starts):
 
 
 def test_segment_max_equals_brute_force_on_random_layouts():
-    """Pieces of 2 to 1024 values (one to a dozen levels of gathers, then ``scatter_reduce``),
+    """Pieces of 2 to 1024 values (from no level of gathers to several before ``scatter_reduce``),
     segments of one value up to all of them, cuts falling on segment starts."""
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
