@@ -104,7 +104,8 @@ def test_segment_max_equals_brute_force_on_random_layouts():
 
 
 def test_segment_max_compiled_equals_brute_force_and_keeps_nan():
-    """Inductor's kernels for three levels of pieces (4 values each) and the last ``scatter_reduce``;
+    """Inductor's kernels for four levels of pieces (4 values each: 2000, 508, 135, 42 values) and the
+    last ``scatter_reduce`` (19);
     a nan stays in its segment."""
     gen = torch.Generator().manual_seed(1)
     starts = torch.cat([random_segments(gen, 1990, 6), torch.tensor([1990, 1991])])  # and two of one value
