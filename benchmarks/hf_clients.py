@@ -38,6 +38,9 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
                         (with flashoptim_release: each layer's gradients applied and freed as its backward ends)
     +checkpoint         Hugging Face's activation checkpointing (gradient_checkpointing_enable, non-reentrant):
                         the layers' forward recomputed in backward, so the peak comes in backward
+    +eager              the backend's compiler="eager": the same graphs after the same passes, run by aten's
+                        kernels instead of Inductor's (a check of what Inductor's code does to training)
+    +nocse              the pass fp8_transpose_cse switched off (each FP8 linear transposes its own input)
 e.g. ``flashoptim_fp8+fp32act+cudagraphs``. The baseline takes two:
     +foreach            torch AdamW's foreach implementation instead of the fused one: the same arithmetic
                         rounded in another order, so the loss moves only by how training amplifies rounding
@@ -362,6 +365,8 @@ MODIFIERS = {
     "fastaccum": dict(fp8_fast_accum=True),
     "regional": dict(regional=True),
     "checkpoint": dict(activation_checkpointing=True),
+    "eager": dict(compiler="eager"),
+    "nocse": dict(disable=("fp8_transpose_cse",)),
 }
 BASELINE_MODIFIERS = {"foreach": dict(fused=False), "checkpoint": dict(activation_checkpointing=True)}
 

@@ -160,16 +160,20 @@ UNTOUCHED = (2, "b.weight")  # step 2: b.weight has no gradient
 HYPER = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8)
 
 
-def run_against_reference(compile_options):
-    """``STEPS`` AdamW steps of ``Three`` prepared with FP8-LM states, each checked against one fp64
-    reference step from the decoded masters and states before it. Returns counts of what differed
-    and, per step, the stored bits before and after."""
+def run_against_reference(compile_options, model=None, gradient_sizes=GRADIENT_SIZES, untouched=UNTOUCHED,
+                          device="cpu", starts=(0, 96, 176)):
+    """``STEPS`` AdamW steps of ``model`` (``Three``) prepared with FP8-LM states on ``device``, each
+    checked against one fp64 reference step from the decoded masters and states before it; the
+    gradients are bf16 normals times ``gradient_sizes[name]``, none for ``untouched`` (step, name);
+    the one bucket's segments start at the rows ``starts`` (None: not checked).
+    Returns counts of what differed and, per step, the stored bits before and after."""
     torch.manual_seed(0)
-    model = Three()
+    model = (model or Three()).to(device)
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **HYPER)
     flash_inductor.prepare(model, opt, state_format="fp8lm", min_quantized_numel=1, compile_options=compile_options)
     record = roles.PREPARED[opt]
-    assert len(record.buckets) == 1 and record.buckets[0].states["exp_avg"].starts.tolist() == [0, 96, 176]
+    assert len(record.buckets) == 1
+    assert starts is None or record.buckets[0].states["exp_avg"].starts.tolist() == list(starts)
     hyper = dict(opt.param_groups[0], lr=float(opt.param_groups[0]["lr"]))
     gen = torch.Generator().manual_seed(1)
     counts = dict(codes=0, codes_off=0, codes_at_a_tie=0, masters=0, masters_off=0)
@@ -177,9 +181,9 @@ def run_against_reference(compile_options):
     for i in range(STEPS):
         expected = {}
         for name, p in model.named_parameters():
-            if (i, name) == UNTOUCHED:
+            if (i, name) == untouched:
                 continue
-            p.grad = (torch.randn(p.shape, generator=gen) * GRADIENT_SIZES[name]).bfloat16()
+            p.grad = (torch.randn(p.shape, generator=gen) * gradient_sizes[name]).bfloat16().to(device)
             state = opt.state[p]
             master = ref_split_decode(p.detach(), record.error_term(p), 127)
             states = {k: ref_decode(state[k].codes, state[k].scales.item()).reshape(-1)[: p.numel()].view(p.shape)
@@ -426,6 +430,34 @@ def test_segment_max_in_cuda_kernels_equals_brute_force_on_a_gpt2_layout():
     got = compiled(values.cuda(), starts.cuda()).cpu()
     expected = brute_segment_max(values, starts)
     assert torch.isnan(got[40]) and torch.equal(got[torch.arange(len(shapes)) != 40], expected[torch.arange(len(shapes)) != 40])
+
+
+class Many(nn.Module):
+    """40 bias-free linears, 3.7M elements in 117k rows of 32: enough for ``segment_max``'s gathers
+    to run three levels (117k rows -> 155 pieces -> 41 -> ``scatter_reduce``), where ``Three`` reaches
+    ``scatter_reduce`` after one. Every fifth is 31 x 33 (a padded segment)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Linear(31, 33, bias=False) if i % 5 == 0 else nn.Linear(256 + 32 * (i % 4), 384, bias=False)
+            for i in range(40))
+
+
+@pytest.mark.gpu
+def test_inductor_step_on_cuda_matches_the_fp64_reference_on_forty_tensors():
+    """The FP8-LM step as Inductor's Triton kernels compile it, on a bucket whose per-tensor amaxes
+    take every level of ``segment_max``, held to the fp64 reference as on the CPU; gradients from
+    1e-4 to 10 across tensors (each its own scale)."""
+    model = Many()
+    sizes = {name: 10.0 ** (-4 + 5 * i / 39) for i, (name, _) in enumerate(model.named_parameters())}
+    counts, snapshots = run_against_reference({}, model, sizes, untouched=(2, "layers.7.weight"), device="cuda",
+                                              starts=None)
+    check_counts(counts)
+    before, after = snapshots[2]
+    for k in before:
+        if k == "layers.7.weight" or k.startswith("layers.7.weight."):
+            assert torch.equal(bits(after[k]), bits(before[k])), k
 
 
 @pytest.mark.gpu

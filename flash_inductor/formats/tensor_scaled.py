@@ -93,6 +93,31 @@ def row_segments(starts, num_rows):
 PIECE_ROWS = 1024
 
 
+@torch.library.custom_op("flash_inductor::segment_pieces", mutates_args=())
+def segment_pieces(starts: torch.Tensor, n: int, piece_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``segment_max``'s pieces of ``n`` values cut at every segment start and every ``piece_rows``-th
+    value: (each piece's first value, its last one, each segment's first piece), int64 [M], [M], [S]
+    with ``M = ceil(n / piece_rows) + S`` (a cut equal to a start makes an empty piece, whose last
+    value is its first).
+
+    An opaque operator, so that Inductor runs these few thousand indices through aten's kernels into
+    buffers of their own. Traced into Inductor's graph (torch 2.11, CUDA) the concatenation of the
+    cuts and starts was written in place into its slices, and a later kernel reused that buffer while
+    still reading the starts through one of those slices: on the H200 a 1B Llama's per-tensor amaxes
+    came out wrong for 14 of its 114 tensors, and on a smaller layout the kernel stopped with
+    "misaligned address" (docs/numerics.md, "FP8-LM optimizer states")."""
+    cuts = torch.arange(0, n, piece_rows, device=starts.device, dtype=starts.dtype)
+    piece_starts = torch.cat([cuts, starts]).sort().values
+    piece_ends = torch.cat([piece_starts[1:], piece_starts.new_full((1,), n)])
+    return piece_starts, torch.maximum(piece_ends - 1, piece_starts), torch.searchsorted(piece_starts, starts)
+
+
+@segment_pieces.register_fake
+def _segment_pieces_shapes(starts, n, piece_rows):
+    pieces = -(-n // piece_rows) + starts.numel()
+    return starts.new_empty(pieces), starts.new_empty(pieces), torch.empty_like(starts)
+
+
 def segment_max(values, starts, piece_rows=PIECE_ROWS):
     """The max of each segment of the non-negative 1-D ``values`` (nan where one holds a nan),
     segments starting at ``starts`` (int64, increasing, the first 0); fp32 [S].
@@ -107,17 +132,14 @@ def segment_max(values, starts, piece_rows=PIECE_ROWS):
     n, device = values.numel(), values.device
     if starts.numel() == 1:
         return values.amax().reshape(1)
-    cuts = torch.arange(0, n, piece_rows, device=device, dtype=starts.dtype)
-    if 2 * (cuts.numel() + starts.numel()) > n:
+    if 2 * (-(-n // piece_rows) + starts.numel()) > n:
         return torch.zeros(starts.shape, dtype=values.dtype, device=device).scatter_reduce(
             0, row_segments(starts, n), values, "amax")
-    piece_starts = torch.cat([cuts, starts]).sort().values  # a cut equal to a start: an empty piece
-    piece_ends = torch.cat([piece_starts[1:], piece_starts.new_full((1,), n)])
+    piece_starts, last, piece_segments = segment_pieces(starts, n, piece_rows)
     # An empty piece reads the value at its start, which belongs to the segment it is counted in.
-    last = torch.maximum(piece_ends - 1, piece_starts).unsqueeze(1)
     offsets = torch.arange(piece_rows, device=device, dtype=starts.dtype)
-    piece_max = values[torch.minimum(piece_starts.unsqueeze(1) + offsets, last)].amax(dim=1)
-    return segment_max(piece_max, torch.searchsorted(piece_starts, starts), piece_rows)
+    piece_max = values[torch.minimum(piece_starts.unsqueeze(1) + offsets, last.unsqueeze(1))].amax(dim=1)
+    return segment_max(piece_max, piece_segments, piece_rows)
 
 
 def segment_amax(rows, starts):
