@@ -61,7 +61,8 @@
 #              under torch.compile before torch 2.14
 #   hfllamaseeds  issue 14: the Llama's loss over seeds (300 steps, transformers' mask as in the seed-0 rows):
 #              RUNS="config:seed ..." each its own process, all at once on the one GPU (their times are not their own,
-#              their losses and memory are), merged with hf_clients.py --report-from into NAME (one JSON, one log)
+#              their losses and memory are), merged with hf_clients.py --report-from into NAME (one JSON, one log);
+#              SEED_ARGS: more arguments for every run (e.g. "--steps 120 --lr-warmup 30")
 #   hfllamagraphs issue 14: the Llama's speed with SDPA's is_causal: the baseline against the FP8 rows with
 #              cudagraphs=True (GRAPH_CONFIGS), 60 steps (GRAPH_STEPS), profiled, then 20 steps back to back
 #              (--pipelined); first the GPU tests of CUDA graphs and FP8 (GRAPH_TESTS=0 skips them)

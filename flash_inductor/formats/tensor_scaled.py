@@ -165,10 +165,15 @@ def scale_from_amax(amax, dtype):
 def _codes(rows, scale_of_rows, dtype, floor):
     """Codes of fp32 ``rows`` [R, 32] against each row's fp32 scale [R, 1]."""
     limit = code_max(dtype)
-    rounded = (rows * scale_of_rows).clamp(-limit, limit).to(dtype).float()  # the cast rounds once
+    scaled = (rows * scale_of_rows).clamp(-limit, limit)  # exact: the scale is a power of two
     if floor:
-        rounded = torch.where((rows > 0) & (rounded == 0), smallest_code(dtype), rounded)
-    return rounded.to(dtype)  # exact: every value is a code (fp8 has no where/compare on every backend)
+        # The code of a positive value is 0 exactly when its scaled value is at most half the smallest
+        # code (round to nearest even). Asked in fp32, not of the cast's result: without
+        # emulate_precision_casts (the backend sets it, a bare torch.compile does not) Inductor drops a
+        # cast to fp16 and back, and the compare never saw the 0.
+        smallest = smallest_code(dtype)
+        scaled = torch.where((rows > 0) & (scaled <= smallest / 2), smallest, scaled)
+    return scaled.to(dtype)  # the cast rounds once
 
 
 def encode(rows, starts, dtype, floor):
