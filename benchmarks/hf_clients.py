@@ -41,6 +41,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
     +eager              the backend's compiler="eager": the same graphs after the same passes, run by aten's
                         kernels instead of Inductor's (a check of what Inductor's code does to training)
     +nocse              the pass fp8_transpose_cse switched off (each FP8 linear transposes its own input)
+    +buckets            flat buckets of at most 2**26 elements (prepare's bucket_numel): the step lands the
+                        gradients bucket by bucket, holding them twice for one bucket only
 e.g. ``flashoptim_fp8+fp32act+cudagraphs``. The baseline takes two:
     +foreach            torch AdamW's foreach implementation instead of the fused one: the same arithmetic
                         rounded in another order, so the loss moves only by how training amplifies rounding
@@ -367,6 +369,7 @@ MODIFIERS = {
     "checkpoint": dict(activation_checkpointing=True),
     "eager": dict(compiler="eager"),
     "nocse": dict(disable=("fp8_transpose_cse",)),
+    "buckets": dict(bucket_numel=1 << 26),
 }
 BASELINE_MODIFIERS = {"foreach": dict(fused=False), "checkpoint": dict(activation_checkpointing=True)}
 

@@ -101,7 +101,7 @@ def bucket_key(record, p):
 class Bucket:
     """The parameters of one bucket, their flat storage and their bucket optimizer."""
 
-    def __init__(self, optimizer, record, group_index, params, flat_step=True):
+    def __init__(self, optimizer, record, group_index, params, flat_step=True, part=None):
         self.group_index = group_index
         self.params = params
         self.segments = {}
@@ -117,6 +117,8 @@ class Bucket:
         self.name = f"group{group_index}_{str(dtype).removeprefix('torch.')}_{states}"
         if device.index:
             self.name += f"_{device.type}{device.index}"
+        if part is not None:  # one of several buckets of one key (prepare's bucket_numel)
+            self.name += f"_part{part}"
         if not trainable:
             self.name += "_frozen"
         fp8_gradients = record.gradient_format is not None and quantized and trainable
@@ -591,11 +593,38 @@ def _bucket_optimizer(optimizer, record, bucket):
 def lay_out(optimizer, record, group_index, flat_step=True):
     """The buckets of param group ``group_index``, its parameters' values, error terms and states
     moved into them (``prepare``, ``add_param_group``, ``copy.deepcopy``); with ``flat_step=False``
-    (gradient release) only the storage, without bucket optimizers or step counts."""
+    (gradient release) only the storage, without bucket optimizers or step counts. Parameters of one
+    key go to buckets of at most ``record.bucket_numel`` elements each (``split_by_numel``)."""
     by_key = {}
     for p in optimizer.param_groups[group_index]["params"]:
         by_key.setdefault(bucket_key(record, p), []).append(p)
-    return [Bucket(optimizer, record, group_index, params, flat_step) for params in by_key.values()]
+    buckets = []
+    for params in by_key.values():
+        parts = split_by_numel(params, record.bucket_numel)
+        for index, part in enumerate(parts):
+            buckets.append(Bucket(optimizer, record, group_index, part, flat_step, part=index if len(parts) > 1 else None))
+    return buckets
+
+
+def split_by_numel(params, bucket_numel):
+    """``params`` in order, cut into runs whose segments take at most ``bucket_numel`` elements (a
+    larger parameter alone); one run when ``bucket_numel`` is None.
+
+    Why smaller buckets: a backward compiled as one graph returns every gradient at once, and the
+    step copies them into the flat gradient buffers bucket by bucket, freeing each bucket's own
+    gradients as it goes (``land_gradients_at_step``): the step holds the gradients once plus one
+    bucket's buffer, where one bucket holds them twice."""
+    if bucket_numel is None:
+        return [list(params)]
+    parts, size = [[]], 0
+    for p in params:
+        length = segment_length(p.numel())
+        if parts[-1] and size + length > bucket_numel:
+            parts.append([])
+            size = 0
+        parts[-1].append(p)
+        size += length
+    return parts
 
 
 def install_gradient_hooks(optimizer, buckets):

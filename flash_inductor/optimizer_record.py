@@ -40,6 +40,7 @@ class PreparedOptimizer:
     # Gradients stay autograd's own tensors until the step, which copies them into the flat buffers
     # at once (a whole-step graph's backward: flat.land_gradients_at_step).
     gradients_land_at_step: bool = False
+    bucket_numel: int | None = None  # at most this many elements per flat bucket (prepare's bucket_numel)
 
     @property
     def optimizer(self):

@@ -43,6 +43,7 @@ def prepare(
     gradient_release: bool = False,
     gradient_format: str | None = None,
     fp32_activations: bool = False,
+    bucket_numel: int | None = None,
 ):
     """Make ``model`` + ``optimizer`` memory-efficient, in place; returns ``model``.
 
@@ -76,6 +77,11 @@ def prepare(
     - ``fp32_activations=True`` makes every ``nn.Embedding`` / ``nn.EmbeddingBag`` return fp32: under
       ``torch.autocast(device_type, dtype=torch.bfloat16)`` (required) the activations are then those
       of fp32 weights under autocast, an fp32 residual stream with bf16 matmuls (docs/numerics.md).
+    - ``bucket_numel`` caps the elements of each flat bucket (the parameters of one param group,
+      dtype and state kind share one by default). Smaller buckets lower the peak of a step whose
+      backward is one compiled graph (``train_step``): the step lands the gradients bucket by bucket,
+      so it holds them once plus one bucket's buffer instead of twice (docs/architecture.md).
+      Each bucket is one more launch of the step; the stored bits do not depend on it.
     """
     # Everything is checked before anything is changed: a refused call leaves model and optimizer as
     # they were.
@@ -108,6 +114,8 @@ def prepare(
     if gradient_release:
         release.check_model(model)
     _check_gradient_format(gradient_format, model, names, state_bits, gradient_release)
+    if bucket_numel is not None and (isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1):
+        raise ValueError(f"bucket_numel must be None or a positive int (elements per flat bucket), got {bucket_numel!r}")
     embeddings = _embeddings_for_fp32_activations(model, fp32_activations)
     masters = model_conversion.convert_model(model, keep_fp32, held=set(names))
     for name, module in embeddings:
@@ -116,7 +124,7 @@ def prepare(
     record = PreparedOptimizer(
         weakref.ref(optimizer), master_weight_bits, state_bits, min_quantized_numel,
         compressed_state_dict, check_numerics, compile_options=compile_options or {}, state_format=state_format,
-        gradient_format=gradient_format,
+        gradient_format=gradient_format, bucket_numel=bucket_numel,
     )
     for group in optimizer.param_groups:
         prepare_group(optimizer, record, group, masters, names)

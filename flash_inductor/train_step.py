@@ -15,7 +15,7 @@ from flash_inductor.prepare import prepare
 
 _PREPARE_ARGS = ("master_weight_bits", "state_bits", "state_format", "keep_fp32", "min_quantized_numel",
                  "compressed_state_dict", "check_numerics", "gradient_release", "gradient_format",
-                 "fp32_activations")
+                 "fp32_activations", "bucket_numel")
 
 
 def train_step(fn=None, *, model, optimizer, regional=False, **options):

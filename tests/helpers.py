@@ -175,3 +175,19 @@ def bf16_batches(in_features, steps=3):
 def square_loss(model, x):
     """A loss of ``model``'s output alone (mean square, in fp32)."""
     return model(x).float().square().mean()
+
+
+def _walk(nodes):
+    for node in nodes:
+        yield node
+        yield from _walk(node.children)
+
+
+def allocations_in(prof, scope):
+    """(bytes, the allocator's total after it) of each allocation under ``record_function(scope)`` of a
+    ``torch.profiler.profile(profile_memory=True)`` run, in order."""
+    from torch._C._profiler import _EventType
+
+    root = next(e for e in _walk(prof.profiler.kineto_results.experimental_event_tree()) if e.name == scope)
+    events = sorted((e for e in _walk([root]) if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    return [(e.extra_fields.alloc_size, e.extra_fields.total_allocated) for e in events]

@@ -61,6 +61,7 @@ CASES = {
         _adamw(), None, {"master_weight_bits": 16}, ValueError, [r"master_weight_bits", r"24", r"32", r"None"],
     ),
     "bad_compile_option": (_adamw(), None, {"compile_options": {"bogus": 1}}, ValueError, [r"bogus", r"compiler", r"disable"]),
+    "bucket_numel_0": (_adamw(), None, {"bucket_numel": 0}, ValueError, [r"bucket_numel", r"positive int", r"None"]),
 }
 
 def _attempt(case):

@@ -15,12 +15,13 @@
 import pytest
 import torch
 import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flash_inductor
 from flash_inductor import flat
 from flash_inductor.optimizer_record import prepared
-from helpers import EAGER, Net, snapshot
+from helpers import EAGER, Net, allocations_in, snapshot
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -442,3 +443,48 @@ def test_train_steps_of_two_models_with_one_cycle_lr_in_one_process():
             schedule.step()
         assert not torch.equal(model[0].weight, before)
         assert all(float(opt.state[p]["step"]) == 3.0 for p in model.parameters())
+
+
+def test_capped_buckets_store_the_same_bits():
+    """``prepare(..., bucket_numel=...)``: fc1's and fc2's weights (8192 and 6144 elements) in two
+    buckets instead of one; three steps, gradients landed at the step, store the same bits."""
+    results = []
+    for bucket_numel in (None, 8192):
+        model, opt = _prepared_net(bucket_numel=bucket_numel)
+        record = prepared(opt)
+        flat.land_gradients_at_step(record)
+        results.append(([b.name for b in record.buckets], _train(model, opt, steps=3) or snapshot(model, opt)))
+    (names_one, one), (names_capped, capped) = results
+    assert "group0_bfloat16_8bit" in names_one and {"group0_bfloat16_8bit_part0", "group0_bfloat16_8bit_part1"} <= set(names_capped)
+    assert one.keys() == capped.keys()
+    for key in one:
+        assert torch.equal(one[key], capped[key]), key
+
+
+@pytest.mark.parametrize("bucket_numel", [None, 1 << 16])
+def test_landing_at_the_step_holds_the_gradients_twice_only_for_one_bucket(bucket_numel):
+    """The step of a backward compiled as one graph (``land_gradients_at_step``) finds every gradient
+    alive, and copies them into the flat buffers bucket by bucket, each bucket's own gradients freed
+    after its copy. Counted by the profiler's allocator events while the step lands them: one bucket
+    of 8 x 256 x 256 bf16 weights allocates its whole gradient buffer above the gradients (2 B/param),
+    eight buckets of one weight at most one weight's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(8)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    flash_inductor.prepare(model, opt, compile_options=EAGER, bucket_numel=bucket_numel)
+    record = prepared(opt)
+    flat.land_gradients_at_step(record)
+    assert len(record.buckets) == (1 if bucket_numel is None else 8)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        # the backward inside the profile: the gradients' frees are counted only if their allocation is
+        model(torch.randn(4, 256, dtype=torch.bfloat16)).float().square().mean().backward()
+        with record_function("landing"):
+            flat.collect_gradients(record)
+    events = allocations_in(prof, "landing")
+    above = max(total for _, total in events) - (events[0][1] - events[0][0])
+    weight_bytes = 256 * 256 * 2
+    if bucket_numel is None:
+        assert above >= 8 * weight_bytes
+    else:
+        assert above <= weight_bytes + 4096, above / weight_bytes
+    assert all(p.grad._base is not None for p in model.parameters())  # every .grad is a view of a flat buffer

@@ -7,26 +7,13 @@ import importlib
 import pytest
 import torch
 import torch.nn as nn
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import flash_inductor
 from flash_inductor.formats import split_weights
+from helpers import allocations_in
 
 prepare_module = importlib.import_module("flash_inductor.prepare")
-
-
-def _walk(nodes):
-    for node in nodes:
-        yield node
-        yield from _walk(node.children)
-
-
-def _allocations_in(prof, scope):
-    """(bytes, the allocator's total after it) of each allocation under ``record_function(scope)``, in order."""
-    root = next(e for e in _walk(prof.profiler.kineto_results.experimental_event_tree()) if e.name == scope)
-    events = sorted((e for e in _walk([root]) if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
-    return [(e.extra_fields.alloc_size, e.extra_fields.total_allocated) for e in events]
 
 
 @pytest.mark.parametrize("gradient_release", [False, True])
@@ -45,7 +32,7 @@ def test_prepare_peaks_at_the_stored_bytes_and_one_gradient_buffer(monkeypatch, 
         with record_function("prepare"):
             flash_inductor.prepare(model, opt, gradient_release=gradient_release)
     n = sum(p.numel() for p in model.parameters())
-    events = _allocations_in(prof, "prepare")
+    events = allocations_in(prof, "prepare")
     before = events[0][1] - events[0][0]  # the allocator's total (counted since the profiler first ran) before prepare
     peak = max(total for _, total in events)
     assert sum(size for size, _ in events) == pytest.approx(1.125 * n, rel=0.01)  # 4 B/param fp32 -> 5.125 stored
