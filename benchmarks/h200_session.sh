@@ -75,6 +75,8 @@
 #   releasebatch issue 14: the Llama at one sequence of 1024 tokens, where the peak is not at the loss: the baseline,
 #              flashoptim (one compiled backward returns every gradient at once), regional flashoptim (gradients
 #              landed as each layer's backward ends) and the same with gradient release; steady peaks (no clipping)
+#   buckets    issue 14: prepare's bucket_numel against one bucket: the Llama's peak at one sequence (the step held
+#              the gradients twice) and its FP8 step's speed
 #   fp8lmstates issue 14, FP8-LM's optimizer states: the GPU tests of what changed, optimizer_step.py on the 1.2B
 #              GPT's tensors (the default step against the FP8-LM one, its per-tensor amax without atomics), then
 #              the Llama (is_causal, 40 steps, profiled, 20 back to back): the baseline against FP8 linears with
@@ -346,6 +348,16 @@ case $stage in
     logged hf_clients_llama_release_batch1_h200 420 hf_clients.py --model llama --attention is_causal --batch 1 \
       --seq 1024 --clip 0 --configs baseline,flashoptim,flashoptim+regional,flashoptim_release+regional --steps 8 \
       --warmup 3 --log-every 4 ${SHARED:+--shared-gpu}
+    ;;
+  buckets)
+    # prepare's bucket_numel (2**26 elements, +buckets): the Llama at one sequence of 1024 tokens, where the peak
+    # is at the step (@train_step held the gradients twice there), and its speed at 2 x 4096 with FP8, each
+    # against the same row with one bucket
+    logged hf_clients_llama_buckets_batch1_h200 300 hf_clients.py --model llama --attention is_causal --batch 1 \
+      --seq 1024 --clip 0 --configs flashoptim,flashoptim+buckets --steps 8 --warmup 3 --log-every 4
+    logged hf_clients_llama_buckets_h200 330 hf_clients.py --model llama --attention is_causal \
+      --configs flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+fastaccum+cudagraphs+buckets --steps 40 \
+      --log-every 20 --pipelined 20
     ;;
   fp8lmstates)
     # the GPU tests of what changed (the FP8-LM states' segmented amax, FP8 gradients, the FP8 transposes),

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import flash_inductor
 from flash_inductor import flat
 from flash_inductor.optimizer_record import prepared
-from helpers import EAGER, Net, allocations_in, snapshot
+from helpers import EAGER, Net, allocations_in, bf16_batches, snapshot
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -488,3 +488,29 @@ def test_landing_at_the_step_holds_the_gradients_twice_only_for_one_bucket(bucke
     else:
         assert above <= weight_bytes + 4096, above / weight_bytes
     assert all(p.grad._base is not None for p in model.parameters())  # every .grad is a view of a flat buffer
+
+
+def test_train_step_with_capped_buckets_stores_the_bits_of_one_bucket():
+    """``train_step(..., bucket_numel=...)`` on Inductor's C++ kernels: the two buckets' steps and
+    the landing at the step store, over three steps, the bits of the one-bucket step."""
+    runs = []
+    for bucket_numel in (None, 8192):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+        @flash_inductor.train_step(model=model, optimizer=opt, bucket_numel=bucket_numel)
+        def step(x):
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        for x in bf16_batches(128):
+            step(x)
+        runs.append(([b.name for b in prepared(opt).buckets], snapshot(model, opt)))
+    (names_one, one), (names_capped, capped) = runs
+    assert len(names_capped) == len(names_one) + 1
+    assert one.keys() == capped.keys()
+    for key in one:
+        assert torch.equal(one[key], capped[key]), key
