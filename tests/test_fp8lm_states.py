@@ -252,15 +252,16 @@ def check_counts(counts):
     assert counts["masters_off"] <= 1e-3 * counts["masters"], counts
 
 
-def check_untouched(snapshots):
-    before, after = snapshots[UNTOUCHED[0]]
-    name = UNTOUCHED[1]
+def check_untouched(snapshots, untouched=UNTOUCHED, moved_name="a.weight"):
+    """The parameter ``untouched`` (step, name) kept every stored bit that step; ``moved_name``'s states moved."""
+    before, after = snapshots[untouched[0]]
+    name = untouched[1]
     kept = [k for k in before if k == name or k.startswith(name + ".")]
     assert len(kept) == 9  # weights, error term, step, two states of codes, scale and start
     for k in kept:
         assert torch.equal(bits(after[k]), bits(before[k])), k
-    moved = [k for k in before if k.startswith("a.weight.exp_avg") and k.endswith("codes")]
-    assert all(not torch.equal(bits(after[k]), bits(before[k])) for k in moved)
+    moved = [k for k in before if k.startswith(moved_name + ".exp_avg") and k.endswith("codes")]
+    assert moved and all(not torch.equal(bits(after[k]), bits(before[k])) for k in moved)
 
 
 def test_eager_rewrite_matches_the_fp64_reference():
@@ -476,13 +477,10 @@ def test_inductor_step_on_cuda_matches_the_fp64_reference_on_forty_tensors():
     1e-4 to 10 across tensors (each its own scale)."""
     model = Many()
     sizes = {name: 10.0 ** (-4 + 5 * i / 39) for i, (name, _) in enumerate(model.named_parameters())}
-    counts, snapshots = run_against_reference({}, model, sizes, untouched=(2, "layers.7.weight"), device="cuda",
-                                              starts=None)
+    untouched = (2, "layers.7.weight")
+    counts, snapshots = run_against_reference({}, model, sizes, untouched=untouched, device="cuda", starts=None)
     check_counts(counts)
-    before, after = snapshots[2]
-    for k in before:
-        if k == "layers.7.weight" or k.startswith("layers.7.weight."):
-            assert torch.equal(bits(after[k]), bits(before[k])), k
+    check_untouched(snapshots, untouched, "layers.8.weight")
 
 
 @pytest.mark.gpu

@@ -114,8 +114,13 @@ def segment_pieces(starts: torch.Tensor, n: int, piece_rows: int) -> tuple[torch
 
 @segment_pieces.register_fake
 def _segment_pieces_shapes(starts, n, piece_rows):
-    pieces = -(-n // piece_rows) + starts.numel()
+    pieces = piece_count(n, starts.numel(), piece_rows)
     return starts.new_empty(pieces), starts.new_empty(pieces), torch.empty_like(starts)
+
+
+def piece_count(n, segments, piece_rows):
+    """How many pieces ``segment_pieces`` cuts ``n`` values of ``segments`` segments into (empty ones included)."""
+    return -(-n // piece_rows) + segments
 
 
 def segment_max(values, starts, piece_rows=PIECE_ROWS):
@@ -132,7 +137,7 @@ def segment_max(values, starts, piece_rows=PIECE_ROWS):
     n, device = values.numel(), values.device
     if starts.numel() == 1:
         return values.amax().reshape(1)
-    if 2 * (-(-n // piece_rows) + starts.numel()) > n:
+    if 2 * piece_count(n, starts.numel(), piece_rows) > n:
         return torch.zeros(starts.shape, dtype=values.dtype, device=device).scatter_reduce(
             0, row_segments(starts, n), values, "amax")
     piece_starts, last, piece_segments = segment_pieces(starts, n, piece_rows)
