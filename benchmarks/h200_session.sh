@@ -87,6 +87,13 @@
 #   fp8lmdebug issue 14: the compiled FP8-LM step's "misaligned address": fp8lm_gpu_check.py and the failing test,
 #              launches synchronous, with their Inductor code
 #   fp8lmfixed issue 14: the same after the fix (segment_pieces), with the Llama's six seeds of FP8 + FP8-LM states
+#   fp8lmkernel issue 14: FP8-LM's states stepped by the hand-written kernels (triton_adam._step_tensor_scaled), by
+#              PART: tests (default; the GPU tests of tests/test_fp8lm_states.py and the hand-written step's of
+#              tests/test_gpu.py, or those TESTS selects, log named with SUFFIX; then optimizer_step.py on the 1.2B
+#              GPT's tensors: the default, FP8-LM's states by the kernels and by Inductor), buckets (the buckets
+#              stage's first half: the Llama at one sequence with and without bucket_numel), speed (the Llama,
+#              is_causal, 40 steps, profiled, 20 back to back: the baseline against FP8 linears with FP8-LM's
+#              states, with one bucket and with bucket_numel)
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -406,6 +413,24 @@ case $stage in
       LIMIT=${LIMIT:-520} bash "$0" hfllamaseeds "$out"
     wait
     tail -3 "$out/gpu_tests_fp8lmfixed_h200.log"; cat "$out/fp8lm_gpu_check_fixed_h200.log"
+    ;;
+  fp8lmkernel)
+    case ${PART:-tests} in
+      tests)
+        timeout 240 python -m pytest -v -m gpu tests/test_fp8lm_states.py tests/test_gpu.py \
+          -k "${TESTS:-fp8lm or segment_max or forty or hand_written or triton or fp8_gradients}" 2>&1 | grep -v "^DEBUG" \
+          > "$out/gpu_tests_fp8lmkernel${SUFFIX:-}_h200.log"
+        tail -12 "$out/gpu_tests_fp8lmkernel${SUFFIX:-}_h200.log"
+        logged optimizer_step_fp8lmkernel${SUFFIX:-}_h200 120 optimizer_step.py --lists gpt_1b \
+          --configs flashoptim,flashoptim_fp8lmstates,flashoptim_fp8lmstates_inductor ;;
+      buckets)
+        logged hf_clients_llama_buckets_batch1_h200 200 hf_clients.py --model llama --attention is_causal --batch 1 \
+          --seq 1024 --clip 0 --configs flashoptim,flashoptim+buckets --steps 8 --warmup 3 --log-every 4 ;;
+      speed)
+        logged hf_clients_llama_fp8lmkernel_h200 540 hf_clients.py --model llama --attention is_causal \
+          --configs baseline,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates+buckets \
+          --steps 40 --log-every 20 --pipelined 20 --profile 2 ;;
+    esac
     ;;
   multigpu)
     # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else

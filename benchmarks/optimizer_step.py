@@ -28,7 +28,8 @@ import flash_inductor
 from flash_inductor import triton_adam
 
 BYTES_PER_PARAM = {"torch_fused_fp32": 28.0, "torch_fused_bf16": 14.0, "flashoptim": 12.25, "flashoptim_pypi": 12.25,
-                   "flashoptim_bf16masters": 10.25, "flashoptim_fp32states": 24.0, "flashoptim_fp8lmstates": 14.0}
+                   "flashoptim_bf16masters": 10.25, "flashoptim_fp32states": 24.0, "flashoptim_fp8lmstates": 14.0,
+                   "flashoptim_fp8lmstates_inductor": 14.0}
 
 
 def gpt2_124m_shapes():
@@ -127,7 +128,7 @@ def main():
                         help="comma list of torch_fused_fp32, torch_fused_bf16, flashoptim, flashoptim_inductor, "
                              "flashoptim_cudagraphs, flashoptim_combo, flashoptim_coordesc, flashoptim_tuned, "
                              "flashoptim_cppwrapper, flashoptim_exactdiv, flashoptim_bf16masters, flashoptim_fp32states, "
-                             "flashoptim_fp8lmstates, "
+                             "flashoptim_fp8lmstates, flashoptim_fp8lmstates_inductor, "
                              "flashoptim_pypi (skipped when not installed), and the hand-written kernel launched with a given "
                              "triton_adam.LaunchShape: flashoptim_block{B}_warps{W}[_vector{V}][_evict][_persist{K}][_stages{S}]"
                              "[_approx] (B groups of 32 per block, W warps, V contiguous elements per thread, evict-first loads "
@@ -198,8 +199,10 @@ def configs_for(shapes):
         # what the step's parts cost: without error terms (bf16 masters), with fp32 states (Inductor)
         "flashoptim_bf16masters": lambda: bench_flashoptim(shapes, False, {}, master_weight_bits=None),
         "flashoptim_fp32states": lambda: bench_flashoptim(shapes, False, {}, state_bits=None),
-        # FP8-LM's states (e4m3 m, fp16 v, one scale per tensor; Inductor's kernels)
+        # FP8-LM's states (e4m3 m, fp16 v, one scale per tensor): the hand-written kernels (the default), Inductor's
         "flashoptim_fp8lmstates": lambda: bench_flashoptim(shapes, False, {}, state_format="fp8lm"),
+        "flashoptim_fp8lmstates_inductor": lambda: bench_flashoptim(shapes, False, {"step_kernel": "inductor"},
+                                                                    state_format="fp8lm"),
     }
 
 

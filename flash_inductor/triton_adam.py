@@ -1,7 +1,7 @@
-"""A hand-written Triton kernel for the flat Adam/AdamW step on CUDA (issue 13).
+"""Hand-written Triton kernels for the flat Adam/AdamW step on CUDA (issue 13; FP8-LM's states, issue 14).
 
 Inductor's kernel for the traced stock update (``flat.step_buckets``) stays the reference and the
-path for every other case: the CPU, other optimizers, amsgrad, fp32 or FP8-LM states, FP8 gradients, or
+path for every other case: the CPU, other optimizers, amsgrad, fp32 states, FP8 gradients, or
 32-bit masters. On the H200 this kernel is faster (docs/benchmarks.md, "The flat optimizer step"): it processes
 blocks of groups of 32 (``LaunchShape``: how many, on how many warps, ...) with few registers, where
 Inductor's persistent reductions over the two state scales keep more values live.
@@ -11,6 +11,8 @@ of ``formats/split_weights.py`` (the step's plain pair, int8 error terms) and
 ``formats/companded.py`` (signed and sqrt codes, fp16 group scales, one reciprocal per group),
 written once more in Triton; ``tests/test_gpu.py`` holds it to the fp64 reference and to the
 Inductor step. Groups whose parameter has no gradient (``bucket.active``) are not written.
+FP8-LM's states (``formats/tensor_scaled.py``: one scale per tensor) take two kernels
+(``_step_tensor_scaled``), held to the same reference by tests/test_fp8lm_states.py.
 ``LaunchShape.approx`` computes the same step with cheaper arithmetic (``_adam_block``), inside the
 numerics policy but not bit for bit; Triton's interpreter runs both on CPU tensors
 (tests/test_triton_interpreter.py).
@@ -24,7 +26,7 @@ import re
 import torch
 
 from flash_inductor import _compat
-from flash_inductor.formats import split_weights
+from flash_inductor.formats import split_weights, tensor_scaled
 from flash_inductor.formats.state_tensor import CompandedState, TensorScaledState
 
 
@@ -298,6 +300,79 @@ if _compat.HAS_TRITON:
         tl.store(pointer, value, mask=mask, cache_modifier=".cs" if EVICT else "")
 
     @triton.jit
+    def _block_rows(block, num_groups, BLOCK: tl.constexpr):
+        """Block ``block``'s groups (rows of 32), and which of them exist."""
+        rows = block * BLOCK + tl.arange(0, BLOCK)
+        return rows, rows < num_groups
+
+    @triton.jit
+    def _stepped_rows(rows, row_ok, beta_powers, active, num_groups, lr, PER_GROUP: tl.constexpr, EVICT: tl.constexpr):
+        """(which rows to step, the step size ``lr / (1 - beta1 ** step)``, ``1 / sqrt(1 - beta2 ** step)``):
+        torch's eager bias corrections (fp32) folded into per-row or per-bucket factors, so that each element
+        costs one division."""
+        if PER_GROUP:
+            power1 = _load(beta_powers + rows, row_ok, 0.0, EVICT).to(tl.float32)[:, None, None]
+            power2 = _load(beta_powers + num_groups + rows, row_ok, 0.0, EVICT).to(tl.float32)[:, None, None]
+            ok = row_ok & (_load(active + rows, row_ok, 0, EVICT) != 0)
+        else:  # one step count for the bucket
+            power1 = tl.load(beta_powers).to(tl.float32)
+            power2 = tl.load(beta_powers + 1).to(tl.float32)
+            ok = row_ok
+        return ok, lr / (1 - power1), 1 / tl.sqrt_rn(1 - power2)
+
+    @triton.jit
+    def _element_offsets(rows, VECTOR: tl.constexpr):
+        """Each element's offset: a group (companded.GROUP_SIZE) as 32 // VECTOR runs of VECTOR contiguous
+        elements, a tile ``[block, 32 // VECTOR, VECTOR]``."""
+        runs = tl.arange(0, 32 // VECTOR)[None, :, None] * VECTOR
+        return rows[:, None, None] * 32 + runs + tl.arange(0, VECTOR)[None, None, :]
+
+    @triton.jit
+    def _master(weights, errors, at, mask, HAS_ERRORS: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+                GUARD: tl.constexpr, EVICT: tl.constexpr, APPROX: tl.constexpr):
+        """The fp32 masters of the elements ``at``: the weights' ``hi`` less their decoded error terms."""
+        hi = _load(weights + at, mask, 0.0, EVICT)
+        x = hi.to(tl.float32)
+        if HAS_ERRORS:
+            x -= _decoded_error(_load(errors + at, mask, 0, EVICT), hi, x, GUARD, MANTISSA, BIAS, APPROX)
+        return x
+
+    @triton.jit
+    def _gradient(grads, at, mask, MAXIMIZE: tl.constexpr, EVICT: tl.constexpr):
+        g = _load(grads + at, mask, 0.0, EVICT).to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        return g
+
+    @triton.jit
+    def _adam_moments(x, g, m, v, lr, weight_decay, one_minus_beta1, beta2, one_minus_beta2, DECOUPLED: tl.constexpr):
+        """(the masters after AdamW's decay, Adam's moments after this step's gradient, Adam's L2 term in it)."""
+        if DECOUPLED:
+            x = x * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * x
+        m = m + one_minus_beta1 * (g - m)
+        v = v * beta2 + one_minus_beta2 * g * g
+        return x, m, v
+
+    @triton.jit
+    def _store_update(x, m, root, step_size, inverse_root_correction2, eps, lr, weights, errors, at, mask,
+                      HAS_ERRORS: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, CODE_SCALE: tl.constexpr,
+                      EVICT: tl.constexpr, APPROX: tl.constexpr):
+        """The masters ``x`` after the update of moments ``m`` and ``root = sqrt(v)``, stored as weights and
+        error terms."""
+        if APPROX:  # the step size over the denominator first: div.approx.ftz would flush a subnormal m
+            update = m * _divide(step_size, root * inverse_root_correction2 + eps, APPROX)
+        else:
+            update = step_size * m / (root * inverse_root_correction2 + eps)
+        # a step at lr 0 keeps the weights, also where the update is nan (passes/untouched_parameters.py)
+        x = x - tl.where(lr != 0, update, 0.0)
+        new_hi = x.to(weights.dtype.element_ty)
+        _store(weights + at, new_hi, mask, EVICT)
+        if HAS_ERRORS:
+            _store(errors + at, _error_code(x, new_hi, CODE_SCALE, MANTISSA, BIAS, APPROX), mask, EVICT)
+
+    @triton.jit
     def _adam_block(
         block, weights, errors, grads, m_codes, m_scales, v_codes, v_scales, beta_powers, active,
         num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
@@ -305,7 +380,7 @@ if _compat.HAS_TRITON:
         MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr, CODE_SCALE: tl.constexpr,
         BLOCK: tl.constexpr, VECTOR: tl.constexpr, EVICT: tl.constexpr, APPROX: tl.constexpr,
     ):
-        """The step of the ``BLOCK`` groups of block ``block``.
+        """The step of the ``BLOCK`` groups of block ``block``, companded states.
 
         APPROX: the same step in fewer instructions, within issue 13's numerics policy (states within
         one code of the fp64 reference, masters within one error-code step; docs/numerics.md), most of
@@ -320,56 +395,22 @@ if _compat.HAS_TRITON:
           ``_error_code``: the same values), the group absmax from an integer max (``_group_scale``).
         Codes inside a group whose scale is nan differ (they decode to nan either way).
         """
-        rows = block * BLOCK + tl.arange(0, BLOCK)
-        row_ok = rows < num_groups
-        # bias corrections 1 - beta ** step (fp32, as torch's eager Adam) folded into per-row or per-bucket
-        # factors, so that each element costs one division
-        if PER_GROUP:
-            power1 = _load(beta_powers + rows, row_ok, 0.0, EVICT).to(tl.float32)[:, None, None]
-            power2 = _load(beta_powers + num_groups + rows, row_ok, 0.0, EVICT).to(tl.float32)[:, None, None]
-            ok = row_ok & (_load(active + rows, row_ok, 0, EVICT) != 0)
-        else:  # one step count for the bucket
-            power1 = tl.load(beta_powers).to(tl.float32)
-            power2 = tl.load(beta_powers + 1).to(tl.float32)
-            ok = row_ok
-        step_size = lr / (1 - power1)
-        inverse_root_correction2 = 1 / tl.sqrt_rn(1 - power2)
-        # a group (companded.GROUP_SIZE) as 32 // VECTOR runs of VECTOR contiguous elements
-        runs = tl.arange(0, 32 // VECTOR)[None, :, None] * VECTOR
-        at = rows[:, None, None] * 32 + runs + tl.arange(0, VECTOR)[None, None, :]
+        rows, row_ok = _block_rows(block, num_groups, BLOCK)
+        ok, step_size, inverse_root_correction2 = _stepped_rows(rows, row_ok, beta_powers, active, num_groups, lr,
+                                                                PER_GROUP, EVICT)
+        at = _element_offsets(rows, VECTOR)
         mask = ok[:, None, None]
 
-        hi = _load(weights + at, mask, 0.0, EVICT)
-        x = hi.to(tl.float32)
-        if HAS_ERRORS:
-            x -= _decoded_error(_load(errors + at, mask, 0, EVICT), hi, x, GUARD, MANTISSA, BIAS, APPROX)
-        g = _load(grads + at, mask, 0.0, EVICT).to(tl.float32)
-        if MAXIMIZE:
-            g = -g
+        x = _master(weights, errors, at, mask, HAS_ERRORS, MANTISSA, BIAS, GUARD, EVICT, APPROX)
+        g = _gradient(grads, at, mask, MAXIMIZE, EVICT)
         m = _decoded_first_moment(_load(m_codes + at, mask, 0, EVICT),
                                   _load(m_scales + rows, ok, 0.0, EVICT).to(tl.float32)[:, None, None], APPROX)
         s = _decoded_root(_load(v_codes + at, mask, 0, EVICT),
                           _load(v_scales + rows, ok, 0.0, EVICT).to(tl.float32)[:, None, None], APPROX)
-        v = s * s
-
-        if DECOUPLED:
-            x = x * (1 - lr * weight_decay)
-        else:
-            g = g + weight_decay * x
-        m = m + one_minus_beta1 * (g - m)
-        v = v * beta2 + one_minus_beta2 * g * g
+        x, m, v = _adam_moments(x, g, m, s * s, lr, weight_decay, one_minus_beta1, beta2, one_minus_beta2, DECOUPLED)
         root = tl.sqrt(v)  # sqrt.approx.ftz; also the encoded value of the second moment (v >= 0)
-        if APPROX:  # the step size over the denominator first: div.approx.ftz would flush a subnormal m
-            update = m * _divide(step_size, root * inverse_root_correction2 + eps, APPROX)
-        else:
-            update = step_size * m / (root * inverse_root_correction2 + eps)
-        # a step at lr 0 keeps the weights, also where the update is nan (passes/untouched_parameters.py)
-        x = x - tl.where(lr != 0, update, 0.0)
-
-        new_hi = x.to(weights.dtype.element_ty)
-        _store(weights + at, new_hi, mask, EVICT)
-        if HAS_ERRORS:
-            _store(errors + at, _error_code(x, new_hi, CODE_SCALE, MANTISSA, BIAS, APPROX), mask, EVICT)
+        _store_update(x, m, root, step_size, inverse_root_correction2, eps, lr, weights, errors, at, mask, HAS_ERRORS,
+                      MANTISSA, BIAS, CODE_SCALE, EVICT, APPROX)
 
         m_scale16, m_code = _first_moment_codes(m, APPROX)
         _store(m_codes + at, m_code, mask, EVICT)
@@ -402,6 +443,105 @@ if _compat.HAS_TRITON:
                 DECOUPLED, MAXIMIZE, HAS_ERRORS, PER_GROUP, MANTISSA, BIAS, GUARD, CODE_SCALE, BLOCK, VECTOR, EVICT,
                 APPROX)
 
+    # ----------------------------------------------------------------- FP8-LM's states (tensor-scaled)
+
+    @triton.jit
+    def _row_segments(rows, starts, num_segments, SEARCH_STEPS: tl.constexpr):
+        """The segment (tensor) of each row: the last of the increasing ``starts`` (the first 0) at most
+        the row, by a binary search of ``SEARCH_STEPS >= log2(num_segments)`` halvings (few loads, all
+        rows of a block reading the same few starts from the cache)."""
+        segment = tl.zeros_like(rows)
+        for i in tl.static_range(SEARCH_STEPS):
+            probe = segment + (1 << (SEARCH_STEPS - 1 - i))
+            inside = probe < num_segments
+            segment = tl.where(inside & (tl.load(starts + probe, mask=inside, other=0) <= rows), probe, segment)
+        return segment
+
+    @triton.jit
+    def _tensor_scaled_moments(x, g, m_codes, m_scales, v_codes, v_scales, segment, at, mask, lr, weight_decay,
+                               one_minus_beta1, beta2, one_minus_beta2, DECOUPLED: tl.constexpr, EVICT: tl.constexpr):
+        """``_adam_moments`` from FP8-LM's codes and the rows' segments' scales (formats/tensor_scaled.py's
+        decode: ``code * (1 / scale)``, exact for a power of two), the same bits in both kernels."""
+        m_inverse = tl.div_rn(1.0, tl.load(m_scales + segment))[:, None, None]
+        v_inverse = tl.div_rn(1.0, tl.load(v_scales + segment))[:, None, None]
+        m = _load(m_codes + at, mask, 0.0, EVICT).to(tl.float32) * m_inverse
+        v = _load(v_codes + at, mask, 0.0, EVICT).to(tl.float32) * v_inverse
+        return _adam_moments(x, g, m, v, lr, weight_decay, one_minus_beta1, beta2, one_minus_beta2, DECOUPLED)
+
+    @triton.jit
+    def _row_max_bits(values):
+        """The max of ``|values|`` over each row of a ``[block, 32 // vector, vector]`` tile, as the int32 view
+        of the fp32 result: int32 views of non-negative floats are ordered as the floats, nan above inf (a
+        row holding nan gives nan, as ``amax``), so integer maxima and atomics compute float ones."""
+        return tl.max(tl.max(tl.abs(values).to(tl.int32, bitcast=True), axis=2), axis=1)
+
+    @triton.jit
+    def _segment_atomic_max(amax, bits, segment, ok):
+        """``amax[segment] = max(amax[segment], bits)`` for the block's rows ``ok``, in few atomics: one for
+        the rows of the block's first tensor, one for its last one's, one per row of the tensors wholly inside
+        the block (small ones), so that a tensor of many rows takes one atomic per block, not per row."""
+        first = tl.min(tl.where(ok, segment, 2**30))
+        last = tl.max(tl.where(ok, segment, -1))
+        tl.atomic_max(amax + first, tl.max(tl.where(ok & (segment == first), bits, 0)))
+        tl.atomic_max(amax + last, tl.max(tl.where(ok & (segment == last), bits, 0)))
+        tl.atomic_max(amax + segment, bits, mask=ok & (segment != first) & (segment != last))
+
+    @triton.jit
+    def _fp8lm_amax_kernel(
+        weights, errors, grads, m_codes, m_scales, v_codes, v_scales, starts, num_segments, amax,
+        num_groups, one_minus_beta1, beta2, one_minus_beta2, weight_decay,
+        DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_ERRORS: tl.constexpr,
+        MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr,
+        BLOCK: tl.constexpr, VECTOR: tl.constexpr, EVICT: tl.constexpr, APPROX: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    ):
+        """First pass of the FP8-LM step: each tensor's max of ``|m|`` and of ``v`` after this step's
+        gradient (``amax`` [2, S], int32 views of fp32, zeroed before), which its new scales come from.
+        Reads the gradients and the codes (and for Adam's L2 term the masters). Parameters without a
+        gradient keep their scales (``_step_tensor_scaled``), whatever their rows give here."""
+        rows, ok = _block_rows(tl.program_id(0), num_groups, BLOCK)
+        at = _element_offsets(rows, VECTOR)
+        mask = ok[:, None, None]
+        segment = _row_segments(rows, starts, num_segments, SEARCH_STEPS)
+        if DECOUPLED:
+            x = 0.0
+        else:
+            x = _master(weights, errors, at, mask, HAS_ERRORS, MANTISSA, BIAS, GUARD, EVICT, APPROX)
+        g = _gradient(grads, at, mask, MAXIMIZE, EVICT)
+        _, m, v = _tensor_scaled_moments(x, g, m_codes, m_scales, v_codes, v_scales, segment, at, mask, 0.0, weight_decay,
+                                         one_minus_beta1, beta2, one_minus_beta2, DECOUPLED, EVICT)
+        _segment_atomic_max(amax, _row_max_bits(m), segment, ok)
+        _segment_atomic_max(amax + num_segments, _row_max_bits(v), segment, ok)
+
+    @triton.jit
+    def _fp8lm_step_kernel(
+        weights, errors, grads, m_codes, m_scales, v_codes, v_scales, starts, num_segments, new_scales,
+        beta_powers, active, num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+        DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_ERRORS: tl.constexpr, PER_GROUP: tl.constexpr,
+        MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr, CODE_SCALE: tl.constexpr,
+        BLOCK: tl.constexpr, VECTOR: tl.constexpr, EVICT: tl.constexpr, APPROX: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+        M_MAX: tl.constexpr, V_MAX: tl.constexpr, V_SMALLEST: tl.constexpr,
+    ):
+        """Second pass: the same moments again (recomputed, not stored in fp32 between the passes), the
+        update of the masters, and the moments encoded against the new scales (``new_scales`` [2, S]):
+        formats/tensor_scaled.py's ``_codes``, the second moment's floor included."""
+        rows, row_ok = _block_rows(tl.program_id(0), num_groups, BLOCK)
+        ok, step_size, inverse_root_correction2 = _stepped_rows(rows, row_ok, beta_powers, active, num_groups, lr,
+                                                                PER_GROUP, EVICT)
+        at = _element_offsets(rows, VECTOR)
+        mask = ok[:, None, None]
+        segment = _row_segments(rows, starts, num_segments, SEARCH_STEPS)
+        x = _master(weights, errors, at, mask, HAS_ERRORS, MANTISSA, BIAS, GUARD, EVICT, APPROX)
+        g = _gradient(grads, at, mask, MAXIMIZE, EVICT)
+        x, m, v = _tensor_scaled_moments(x, g, m_codes, m_scales, v_codes, v_scales, segment, at, mask, lr, weight_decay,
+                                         one_minus_beta1, beta2, one_minus_beta2, DECOUPLED, EVICT)
+        _store_update(x, m, tl.sqrt_rn(v), step_size, inverse_root_correction2, eps, lr, weights, errors, at, mask,
+                      HAS_ERRORS, MANTISSA, BIAS, CODE_SCALE, EVICT, APPROX)
+        m_scaled = m * tl.load(new_scales + segment)[:, None, None]  # exact: powers of two
+        _store(m_codes + at, tl.clamp(m_scaled, -M_MAX, M_MAX).to(m_codes.dtype.element_ty), mask, EVICT)
+        v_scaled = tl.minimum(v * tl.load(new_scales + num_segments + segment)[:, None, None], V_MAX)
+        v_scaled = tl.where((v > 0) & (v_scaled <= V_SMALLEST / 2), V_SMALLEST, v_scaled)  # the floor
+        _store(v_codes + at, v_scaled.to(v_codes.dtype.element_ty), mask, EVICT)
+
 
 def ineligible(bucket, optimizer):
     """Why this kernel cannot step ``bucket`` (whose bucket optimizer is ``optimizer``), or None."""
@@ -421,9 +561,8 @@ def ineligible(bucket, optimizer):
         return f"{bucket.weights.dtype} weights"
     if bucket.errors is not None and bucket.errors.dtype != torch.int8:
         return "32-bit masters (int16 error terms) use the exact split-weight pair"
-    if any(isinstance(s, TensorScaledState) for s in states.values()):
-        return "FP8-LM states (state_format='fp8lm'): their per-tensor scales need a reduction over each parameter"
-    if set(states) != {"exp_avg", "exp_avg_sq"} or not all(isinstance(s, CompandedState) for s in states.values()):
+    formats = {type(s) for s in states.values()}
+    if set(states) != {"exp_avg", "exp_avg_sq"} or not (formats == {CompandedState} or formats == {TensorScaledState}):
         return "fp32 states"
     if any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in (group["lr"], *group["betas"])):
         return "a hyperparameter tensor on the GPU (read here as a float)"
@@ -436,7 +575,8 @@ def step(bucket, optimizer):
     fp32 betas and rounded to fp32 once, as Inductor's step takes it (passes/fp64_step_powers.py; an
     fp32 pow is not correctly rounded everywhere: libdevice's inside the kernel was an ulp off for
     0.999 ** 1 on the H200, 3e-5 of the first updates; the kernel rounds them), then one kernel updates
-    weights, error terms and states: three launches."""
+    weights, error terms and states (companded states: three launches), or two with FP8-LM's
+    (``_step_tensor_scaled``)."""
     group = optimizer.param_groups[0]
     lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
     bucket.step.add_(bucket.active)
@@ -444,17 +584,55 @@ def step(bucket, optimizer):
     m, v = bucket.states["exp_avg"], bucket.states["exp_avg_sq"]
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
     shape = LAUNCH
+    constants = kernel_constants(shape, bucket.weights.dtype, bucket.errors is not None, bucket.per_group,
+                                 bool(decoupled), bool(group.get("maximize")))
+    tensors = (bucket.weights, bucket.errors if bucket.errors is not None else bucket.weights, bucket.grads)
+    hyper = (1 - beta1, beta2, 1 - beta2)
+    eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
+    if isinstance(m, TensorScaledState):
+        _step_tensor_scaled(bucket, tensors, m, v, beta_powers, lr, hyper, eps, weight_decay, constants)
+        return
     blocks = triton.cdiv(bucket.num_groups, shape.block_groups)
     programs = min(blocks, shape.programs_per_sm * _sm_count(bucket.weights.device)) if shape.programs_per_sm else blocks
     _adam_kernel[(programs,)](
-        bucket.weights, bucket.errors if bucket.errors is not None else bucket.weights, bucket.grads,
-        m.codes, m.scales, v.codes, v.scales, beta_powers, bucket.active,
-        bucket.num_groups, lr, 1 - beta1, beta2, 1 - beta2,
-        float(group["eps"]), float(group["weight_decay"]),
-        **kernel_constants(shape, bucket.weights.dtype, bucket.errors is not None, bucket.per_group, bool(decoupled),
-                           bool(group.get("maximize"))),
-        num_warps=shape.num_warps,
-    )
+        *tensors, m.codes, m.scales, v.codes, v.scales, beta_powers, bucket.active,
+        bucket.num_groups, lr, *hyper, eps, weight_decay, **constants, num_warps=shape.num_warps)
+
+
+def _step_tensor_scaled(bucket, tensors, m, v, beta_powers, lr, hyper, eps, weight_decay, constants):
+    """The step with FP8-LM's states (formats/tensor_scaled.py), whose new codes need the new per-tensor
+    scales, so the amax of every tensor's new moments first: a first kernel reduces them per tensor
+    (``_segment_atomic_max``: integer atomics, about one per block), and a second kernel recomputes the
+    moments, updates the masters and encodes. Recomputing reads 5 B/param more (gradient and codes)
+    where keeping the fp32 moments between the passes would write and read 16. Tensors of parameters
+    without a gradient keep their scales, and their rows are not written. Launched one block per
+    program (``LaunchShape``'s block, warps, vector, evict and approx; not persistent)."""
+    shape, starts = LAUNCH, m.starts
+    blocks = triton.cdiv(bucket.num_groups, shape.block_groups)
+    segments = dict(starts=starts, num_segments=starts.numel(), SEARCH_STEPS=max(1, (starts.numel() - 1).bit_length()))
+    amax = torch.zeros(2, starts.numel(), dtype=torch.int32, device=starts.device)
+    _fp8lm_amax_kernel[(blocks,)](
+        *tensors, m.codes, m.scales, v.codes, v.scales, amax=amax, num_groups=bucket.num_groups,
+        one_minus_beta1=hyper[0], beta2=hyper[1], one_minus_beta2=hyper[2], weight_decay=weight_decay, **segments,
+        **_arguments_of(_fp8lm_amax_kernel, constants), num_warps=shape.num_warps)
+    amax = amax.view(torch.float32)
+    new_scales = torch.stack([tensor_scaled.scale_from_amax(amax[i], state.codes.dtype) for i, state in enumerate((m, v))])
+    if bucket.per_group:
+        new_scales = torch.where(bucket.active.view(-1)[starts], new_scales, torch.stack([m.scales, v.scales]))
+    _fp8lm_step_kernel[(blocks,)](
+        *tensors, m.codes, m.scales, v.codes, v.scales, new_scales=new_scales, beta_powers=beta_powers,
+        active=bucket.active, num_groups=bucket.num_groups, lr=lr, one_minus_beta1=hyper[0], beta2=hyper[1],
+        one_minus_beta2=hyper[2], eps=eps, weight_decay=weight_decay, **segments,
+        **_arguments_of(_fp8lm_step_kernel, constants), M_MAX=tensor_scaled.code_max(m.codes.dtype),
+        V_MAX=tensor_scaled.code_max(v.codes.dtype), V_SMALLEST=tensor_scaled.smallest_code(v.codes.dtype),
+        num_warps=shape.num_warps)
+    m.scales.copy_(new_scales[0])
+    v.scales.copy_(new_scales[1])
+
+
+def _arguments_of(kernel, constants):
+    """The ones of ``kernel_constants`` that ``kernel`` takes."""
+    return {k: value for k, value in constants.items() if k in kernel.arg_names}
 
 
 def kernel_constants(shape, weights_dtype, has_errors, per_group, decoupled, maximize):

@@ -470,31 +470,116 @@ class Many(nn.Module):
             for i in range(40))
 
 
+class Small(nn.Module):
+    """Twelve bias-free linears of 1, 2 or 6 rows of 32 (the last 31 elements, one padded): blocks of
+    the hand-written kernel hold several whole tensors, whose amaxes take its per-row atomics."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(*[(4, 8), (8, 8), (16, 12)][i % 3], bias=False) for i in range(11))
+        self.layers.append(nn.Linear(1, 31, bias=False))
+
+
+def check_many_tensors(model, device, compile_options):
+    """``run_against_reference`` on ``model`` (``Small`` or ``Many``): gradients from 1e-4 to 10 across
+    its tensors (each its own scale), one of them without a gradient in step 2."""
+    names = [name for name, _ in model.named_parameters()]
+    sizes = {name: 10.0 ** (-4 + 5 * i / (len(names) - 1)) for i, name in enumerate(names)}
+    untouched = (2, names[7])
+    counts, snapshots = run_against_reference(compile_options, model, sizes, untouched=untouched, device=device,
+                                              starts=None)
+    check_counts(counts)
+    check_untouched(snapshots, untouched, names[8])
+
+
 @pytest.mark.gpu
 def test_inductor_step_on_cuda_matches_the_fp64_reference_on_forty_tensors():
     """The FP8-LM step as Inductor's Triton kernels compile it, on a bucket whose per-tensor amaxes
-    take every level of ``segment_max``, held to the fp64 reference as on the CPU; gradients from
-    1e-4 to 10 across tensors (each its own scale)."""
-    model = Many()
-    sizes = {name: 10.0 ** (-4 + 5 * i / 39) for i, (name, _) in enumerate(model.named_parameters())}
-    untouched = (2, "layers.7.weight")
-    counts, snapshots = run_against_reference({}, model, sizes, untouched=untouched, device="cuda", starts=None)
-    check_counts(counts)
-    check_untouched(snapshots, untouched, "layers.8.weight")
+    take every level of ``segment_max``, held to the fp64 reference as on the CPU."""
+    check_many_tensors(Many(), "cuda", {"step_kernel": "inductor"})
+
+
+def check_hand_written_kernel_edge_cases(device, cls):
+    """The hand-written FP8-LM step (flash_inductor/triton_adam.py, ``_step_tensor_scaled``) of ``cls``
+    (AdamW, or Adam, whose L2 term the first kernel reads the masters for) on ``Three``, in three steps:
+    1. from the same state as the eager rewrite of the stock update (held to the fp64 reference
+       above): gradients spanning 2**-43 to 1 in ``a`` (a second moment 2**-86 of the tensor's
+       largest: the floor's smallest code, not 0), a nan in ``b``, ordinary ones in ``c``. Scales
+       equal the eager step's, codes are within one of them (few differ: rounding ties of fp32 op
+       orders), masters within one error-code step and 8 fp32 ulps of what cancels; ``b``'s scales
+       are nan (loud, as an fp32 state);
+    2. ``b`` without gradient: every stored bit of it kept, its nan scales too;
+    3. lr 0: every weight and error term keeps its bits."""
+    from flash_inductor import triton_adam
+
+    runs = {}
+    for name, options in (("kernel", {}), ("eager", EAGER)):
+        torch.manual_seed(0)
+        model = Three().to(device)
+        model.a.weight.data.view(-1)[1] = 0  # Adam's L2 term adds nothing to the floor's gradient
+        opt = cls(model.parameters(), foreach=False, **HYPER)
+        flash_inductor.prepare(model, opt, state_format="fp8lm", min_quantized_numel=1, compile_options=options)
+        runs[name] = model, opt
+    model, opt = runs["kernel"]
+    bucket = roles.PREPARED[opt].buckets[0]
+    assert triton_adam.ineligible(bucket, bucket.optimizer) is None
+    gen = torch.Generator().manual_seed(2)
+    for step in range(3):
+        grads = {n: (torch.randn(p.shape, generator=gen) * 1e-2).bfloat16() for n, p in model.named_parameters()}
+        grads["a.weight"].view(-1)[:2] = torch.tensor([1.0, 2.0**-43])
+        grads["b.weight"].view(-1)[5] = float("nan")
+        opt.param_groups[0]["lr"] = 0.0 if step == 2 else HYPER["lr"]
+        stored = {}
+        for name, (run_model, run_opt) in runs.items() if step == 0 else [("kernel", runs["kernel"])]:
+            for n, p in run_model.named_parameters():
+                p.grad = None if (step, n) == (1, "b.weight") else grads[n].to(device)
+            before = stored_bits(run_model, run_opt)
+            run_opt.step()
+            run_opt.zero_grad()
+            stored[name] = before, stored_bits(run_model, run_opt)
+        before, got = stored["kernel"]
+        if step == 0:
+            check_same_step(runs, got, stored["eager"][1])
+        kept = [k for k in got if (k.startswith("b.weight") if step == 1 else k.endswith(("weight", "error_term")))]
+        assert step == 0 or kept and all(torch.equal(bits(got[k]), bits(before[k])) for k in kept), f"step {step}"
+        assert all(torch.isnan(opt.state[model.b.weight][key].scales).all() for key in ("exp_avg", "exp_avg_sq"))
+
+
+def check_same_step(runs, got, expected):
+    """``check_hand_written_kernel_edge_cases``'s first step: the kernel's stored bits ``got`` against the
+    eager step's ``expected``."""
+    for k in got:
+        if k.endswith(".scales"):
+            assert torch.equal(bits(got[k]), bits(expected[k])), k
+        elif k.endswith(".codes") and not k.startswith("b.weight"):
+            ours, theirs = got[k].double(), expected[k].double()
+            one_code = torch.exp2(ulp_log2(torch.maximum(ours.abs(), theirs.abs()), FORMATS[got[k].dtype]))
+            assert ((ours - theirs).abs() <= one_code).all(), k
+            assert (ours != theirs).double().mean() <= 0.02, k
+    (model, opt), (their_model, their_opt) = runs["kernel"], runs["eager"]
+    for (n, p), theirs in zip(model.named_parameters(), their_model.parameters()):
+        if n != "b.weight":
+            ours = ref_split_decode(p.detach(), roles.PREPARED[opt].error_term(p), 127)
+            expected_master = ref_split_decode(theirs.detach(), roles.PREPARED[their_opt].error_term(theirs), 127)
+            code_step = torch.exp2(ref_split_encode(expected_master, 127)[2]) / 127
+            size = expected_master.abs() + 4 * HYPER["lr"]  # an update is at most about lr
+            assert ((ours - expected_master).abs() <= code_step + 8 * 2.0**-24 * size).all(), n
+    floor = opt.state[model.a.weight]["exp_avg_sq"].codes.view(-1)[1]
+    assert floor.item() == tensor_scaled.smallest_code(torch.float16), "the second moment's floor"
 
 
 @pytest.mark.gpu
-def test_hand_written_kernel_leaves_fp8lm_buckets_to_inductor():
-    from flash_inductor import triton_adam
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam], ids=["AdamW", "Adam"])
+def test_hand_written_kernel_edge_cases(cls):
+    check_hand_written_kernel_edge_cases("cuda", cls)
 
-    torch.manual_seed(0)
-    model = Net().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    flash_inductor.prepare(model, opt, state_format="fp8lm")
-    reasons = {b.name: triton_adam.ineligible(b, b.optimizer) for b in roles.PREPARED[opt].buckets}
-    assert "state_format='fp8lm'" in reasons["group0_bfloat16_fp8lm"]
-    train(model, opt, [x.cuda() for x in BATCHES[:2]])
-    assert torch.isfinite(model.fc1.weight).all()
+
+@pytest.mark.gpu
+def test_hand_written_kernel_on_forty_tensors_matches_the_fp64_reference():
+    """The hand-written FP8-LM step (the default on CUDA) on ``Many``'s forty tensors and ``Small``'s
+    twelve (its binary search of each row's tensor, its atomics), held to the fp64 reference."""
+    check_many_tensors(Many(), "cuda", {})
+    check_many_tensors(Small(), "cuda", {})
 
 
 # ============================================================================ 4. the ablation

@@ -27,25 +27,36 @@ pytestmark = [
 
 
 @pytest.fixture(autouse=True)
-def bf16_casts(monkeypatch):
-    """bf16 <-> fp32 as on the GPU (and in torch): the interpreter truncates fp32 to bf16, and reads
-    bf16 subnormals as zero."""
+def torch_casts(monkeypatch):
+    """Conversions between fp32 and bf16 or e4m3 as on the GPU (and in torch): the interpreter
+    truncates fp32 to bf16, reads bf16 subnormals as zero, and rounds to e4m3 half up without carrying
+    into the exponent."""
     import triton.language as tl
     from triton.runtime import interpreter
 
-    cast = interpreter.InterpreterBuilder.cast_impl
+    narrow = {tl.bfloat16: (torch.bfloat16, np.uint16), tl.float8e4nv: (torch.float8_e4m3fn, np.uint8)}
+    cast, fp_to_fp = interpreter.InterpreterBuilder.cast_impl, interpreter.InterpreterBuilder.create_fp_to_fp
 
-    def torch_cast(self, src, dst_type):
-        data = np.ascontiguousarray(src.data)
-        if (src.dtype.scalar, dst_type.scalar) == (tl.float32, tl.bfloat16):
-            rounded = torch.from_numpy(data).bfloat16().view(torch.int16).numpy()
-            return interpreter.TensorHandle(rounded.view(np.uint16), dst_type.scalar)
-        if (src.dtype.scalar, dst_type.scalar) == (tl.bfloat16, tl.float32):
-            return interpreter.TensorHandle(torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).float().numpy(),
-                                            dst_type.scalar)
-        return cast(self, src, dst_type)
+    def through_torch(src, dst_type):
+        data, kinds = np.ascontiguousarray(src.data), (src.dtype.scalar, dst_type.scalar)
+        if kinds[0] == tl.float32 and kinds[1] in narrow:
+            dtype, bits = narrow[kinds[1]]
+            rounded = torch.from_numpy(data).to(dtype).view(getattr(torch, f"int{8 * np.dtype(bits).itemsize}"))
+            return interpreter.TensorHandle(rounded.numpy().view(bits), dst_type.scalar)
+        if kinds[1] == tl.float32 and kinds[0] in narrow:
+            dtype, bits = narrow[kinds[0]]
+            stored = torch.from_numpy(data.view(getattr(np, f"int{8 * np.dtype(bits).itemsize}"))).view(dtype)
+            return interpreter.TensorHandle(stored.float().numpy(), dst_type.scalar)
+        return None
 
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", torch_cast)
+    def patched(original):
+        def convert(self, src, dst_type, *rounding):
+            converted = through_torch(src, dst_type)
+            return original(self, src, dst_type, *rounding) if converted is None else converted
+        return convert
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", patched(cast))
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", patched(fp_to_fp))
 
 
 @pytest.mark.parametrize("launch", ARITHMETICS[:2])
@@ -60,3 +71,32 @@ def test_interpreted_kernel_matches_fp64_reference(name, launch, monkeypatch):
 def test_interpreted_kernel_edge_cases(launch, monkeypatch):
     monkeypatch.setattr(triton_adam, "LAUNCH", triton_adam.LaunchShape.from_name(launch))
     check_kernel_edge_cases("cpu")
+
+
+@pytest.mark.parametrize("launch", ARITHMETICS[:2])
+def test_interpreted_fp8lm_kernels_match_fp64_reference(launch, monkeypatch):
+    """FP8-LM's states (``_step_tensor_scaled``'s two kernels) against the fp64 reference, as the
+    Inductor step is held to it (tests/test_fp8lm_states.py: three tensors of very different
+    gradient sizes in one bucket, one of them without a gradient in a step)."""
+    from test_fp8lm_states import STEPS, check_counts, check_untouched, run_against_reference
+
+    monkeypatch.setattr(triton_adam, "LAUNCH", triton_adam.LaunchShape.from_name(launch))
+    calls, kernel_step = [], triton_adam._step_tensor_scaled
+    monkeypatch.setattr(triton_adam, "_step_tensor_scaled", lambda *args: calls.append(args) or kernel_step(*args))
+    counts, snapshots = run_against_reference({})
+    assert len(calls) == STEPS
+    check_counts(counts)
+    check_untouched(snapshots)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam], ids=["AdamW", "Adam"])
+def test_interpreted_fp8lm_kernel_edge_cases(cls):
+    from test_fp8lm_states import check_hand_written_kernel_edge_cases
+
+    check_hand_written_kernel_edge_cases("cpu", cls)
+
+
+def test_interpreted_fp8lm_kernels_on_small_tensors_match_fp64_reference():
+    from test_fp8lm_states import Small, check_many_tensors
+
+    check_many_tensors(Small(), "cpu", {})
