@@ -94,6 +94,9 @@
 #              stage's first half: the Llama at one sequence with and without bucket_numel), speed (the Llama,
 #              is_causal, 40 steps, profiled, 20 back to back: the baseline against FP8 linears with FP8-LM's
 #              states, with one bucket and with bucket_numel)
+#   chunkedloss issue 14: the option loss_chunk_rows (the lm_head and its cross-entropy 1024 rows at a time): the
+#              Llama (is_causal, 40 steps, 20 back to back) with FP8 linears and FP8-LM's states, and flashoptim,
+#              each with and without it (peak memory, speed)
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -431,6 +434,11 @@ case $stage in
           --configs baseline,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates+buckets \
           --steps 40 --log-every 20 --pipelined 20 --profile 2 ;;
     esac
+    ;;
+  chunkedloss)
+    logged hf_clients_llama_chunkedloss_h200 540 hf_clients.py --model llama --attention is_causal \
+      --configs baseline,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates+chunkedloss,flashoptim,flashoptim+chunkedloss \
+      --steps 40 --log-every 20 --pipelined 20
     ;;
   multigpu)
     # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else

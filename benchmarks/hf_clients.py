@@ -43,6 +43,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
     +nocse              the pass fp8_transpose_cse switched off (each FP8 linear transposes its own input)
     +buckets            flat buckets of at most 2**26 elements (prepare's bucket_numel): the step lands the
                         gradients bucket by bucket, holding them twice for one bucket only
+    +chunkedloss        the lm_head and its cross-entropy 1024 rows at a time (loss_chunk_rows=1024): the fp32
+                        logits never exist whole (compiled graphs only: not with +regional, whose loss is eager)
 e.g. ``flashoptim_fp8+fp32act+cudagraphs``. The baseline takes two:
     +foreach            torch AdamW's foreach implementation instead of the fused one: the same arithmetic
                         rounded in another order, so the loss moves only by how training amplifies rounding
@@ -370,6 +372,7 @@ MODIFIERS = {
     "eager": dict(compiler="eager"),
     "nocse": dict(disable=("fp8_transpose_cse",)),
     "buckets": dict(bucket_numel=1 << 26),
+    "chunkedloss": dict(loss_chunk_rows=1024),
 }
 BASELINE_MODIFIERS = {"foreach": dict(fused=False), "checkpoint": dict(activation_checkpointing=True)}
 

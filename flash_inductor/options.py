@@ -49,6 +49,8 @@ class Options:
         Graphs that update parameters (the optimizer step) or read gradients (gradient clipping)
         are left out: their inputs are not at fixed addresses, so the graph would copy every gradient
         into a pool of its own each step (+2 B/param). ``mode="reduce-overhead"`` sets it.
+    loss_chunk_rows: 0 leaves losses as written; N > 0 computes a cross-entropy of a linear's output
+        N rows at a time, so the whole fp32 logits never exist (``passes/chunked_cross_entropy.py``).
     step_kernel: "triton" runs the flat Adam/AdamW step of each eligible CUDA bucket (8-bit states,
         24-bit or no masters) as the hand-written kernel of ``flash_inductor/triton_adam.py``;
         "inductor" compiles the stock update for every bucket (the reference; always on the CPU).
@@ -68,6 +70,7 @@ class Options:
     fp8_all_gather: bool = False
     fp8_collectives: bool = False
     cudagraphs: bool = False
+    loss_chunk_rows: int = 0
     step_kernel: str = "triton"
 
     @classmethod
@@ -109,6 +112,7 @@ class Options:
             fp8_all_gather=fp8_all_gather,
             fp8_collectives=_flag(options, "fp8_collectives"),
             cudagraphs=_flag(options, "cudagraphs"),
+            loss_chunk_rows=_int(options, "loss_chunk_rows", "non-negative", 0, cls.loss_chunk_rows),
             step_kernel=_choice(options, "step_kernel", ("triton", "inductor"), cls.step_kernel),
         )
 

@@ -7,6 +7,7 @@ change what stored tensors mean. Aten-level passes run inside Inductor on the po
 from flash_inductor.pipeline import ATEN, TORCH, GraphPass
 
 from .bound_hyperparameters import bound_hyperparameters_pass
+from .chunked_cross_entropy import chunked_cross_entropy_pass
 from .companded_states import companded_states_pass
 from .fp8_collectives import fp8_collectives_pass
 from .fp8_gradients import fp8_gradients_pass
@@ -22,6 +23,7 @@ from .untouched_parameters import untouched_parameters_pass
 # companded_states (which leaves FP8 gradients to it). companded_states sets the layout of the update
 # (see update_shape), which split_weights then decodes the master in. fp64_step_powers is a matter of
 # an ulp in the bias corrections, not of the stored format: a failure leaves torch's fp32 pow.
+# chunked_cross_entropy before fp8_linear: the lm_head it takes into its chunks stays in its dtype.
 TORCH_PASSES = (
     GraphPass("bound_hyperparameters", TORCH, bound_hyperparameters_pass, required_for_prepared=True),
     GraphPass("untouched_parameters", TORCH, untouched_parameters_pass, required_for_prepared=True),
@@ -30,6 +32,7 @@ TORCH_PASSES = (
     GraphPass("fp8_gradients", TORCH, fp8_gradients_pass, required_for_prepared=True),
     GraphPass("companded_states", TORCH, companded_states_pass, required_for_prepared=True),
     GraphPass("split_weights", TORCH, split_weights_pass, required_for_prepared=True),
+    GraphPass("chunked_cross_entropy", TORCH, chunked_cross_entropy_pass),
     GraphPass("fp8_linear", TORCH, fp8_linear_pass),
     GraphPass("fp8_collectives", TORCH, fp8_collectives_pass),
 )

@@ -65,7 +65,7 @@ def _is_transpose(node):
     )
 
 
-def _as_linear(node):
+def as_linear(node):
     """``(x, weight, bias, layout)`` if ``node`` multiplies by a 2-D right operand, else None:
     ``F.linear``, ``x @ w.T`` / ``matmul(x, w.t())`` (``OUT_IN``), and ``x @ w``, ``matmul``,
     ``mm``, ``addmm(b, x, w)`` with default alpha and beta (``IN_OUT``), and einsums of either.
@@ -168,7 +168,7 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
         return gm, []
     eligible = []
     for node in gm.graph.nodes:
-        linear = _as_linear(node)
+        linear = as_linear(node)
         if linear is None:
             continue
         weight, layout = linear[1], linear[3]
@@ -194,7 +194,7 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
     bound = {}
     for name, _ in eligible:
         node = nodes[name]
-        x, weight, bias, layout = _as_linear(node)
+        x, weight, bias, layout = as_linear(node)
         kwargs = {"power_of_two": ctx.options.fp8_power_of_two_scales}
         if ctx.options.fp8_fast_accum:
             kwargs["fast_accum"] = True
