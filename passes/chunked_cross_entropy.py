@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from flash_inductor import graph_utils
 from flash_inductor.linear_cross_entropy import REDUCTIONS, linear_cross_entropy
 
-from .fp8_linear import OUT_IN, as_linear
+from .fp8_linear import OUT_IN, as_linear, is_transpose
 
 _DEFAULTS = {"weight": None, "size_average": None, "reduce": None, "label_smoothing": 0.0}
 
@@ -54,7 +54,7 @@ def _match(node):
         return "class weights or label smoothing"
     reduction, ignore_index = kwargs.get("reduction", "mean"), kwargs.get("ignore_index", -100)
     if reduction not in REDUCTIONS or not isinstance(ignore_index, int):
-        return f"reduction {reduction!r}"
+        return f"reduction {reduction!r}, ignore_index {ignore_index!r}"
     logits = input_.meta.get("example_value") if isinstance(input_, fx.Node) else None
     labels = target.meta.get("example_value") if isinstance(target, fx.Node) else None
     if logits is None or logits.dim() != 2 or labels is None or labels.dim() != 1 or labels.is_floating_point():
@@ -109,7 +109,7 @@ def chunked_cross_entropy_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule,
         while current is not linear_node:  # its widening and views, then the linear and a transposed weight
             chain.append(current)
             current = current.args[0]
-        chain += [linear_node] + [a for a in linear_node.args if isinstance(a, fx.Node) and a.op == "call_method"]
+        chain += [linear_node] + [a for a in linear_node.args if is_transpose(a)]
         gm.graph.erase_node(node)
         for dead in chain:
             if not dead.users:

@@ -57,7 +57,7 @@ OUT_IN = "out_in"  # weight stored (out, in), as nn.Linear's: y = x @ w.T
 IN_OUT = "in_out"  # weight stored (in, out), as Hugging Face's Conv1D: y = x @ w
 
 
-def _is_transpose(node):
+def is_transpose(node):
     return isinstance(node, fx.Node) and (
         (node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"))
         or (node.op == "call_method" and node.target == "t")
@@ -77,7 +77,7 @@ def as_linear(node):
         return args[0], args[1], args[2], OUT_IN
     if node.target in (operator.matmul, torch.matmul, torch.mm) and len(node.args) == 2 and not node.kwargs:
         x, rhs = node.args
-        if _is_transpose(rhs):
+        if is_transpose(rhs):
             return x, rhs.args[0], None, OUT_IN
         if isinstance(rhs, fx.Node) and rhs.op in ("placeholder", "get_attr"):
             return x, rhs, None, IN_OUT
@@ -205,7 +205,7 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
             as_out_in = weight if layout == OUT_IN else gm.graph.call_method("t", (weight,))
             replacement = gm.graph.call_function(fp8_linear, (x, as_out_in, bias), kwargs)
         node.replace_all_uses_with(replacement)
-        transposed = [a for a in node.args if _is_transpose(a) and a.args[0] is weight]
+        transposed = [a for a in node.args if is_transpose(a) and a.args[0] is weight]
         gm.graph.erase_node(node)
         if transposed and not transposed[0].users:
             gm.graph.erase_node(transposed[0])

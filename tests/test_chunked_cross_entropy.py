@@ -174,6 +174,28 @@ def test_logits_used_elsewhere_stay_whole_and_the_report_says_why():
     assert any(d[0] == "chunked_cross_entropy" and "used elsewhere" in d[2] for d in graph.decisions), graph.decisions
 
 
+@pytest.mark.parametrize("form", ["x @ w.T", "x @ w"])
+def test_matmul_forms_are_rewritten_with_their_gradients(form):
+    """``x @ w.T`` (w stored (out, in)) and ``x @ w`` (stored (in, out), as Hugging Face's Conv1D):
+    rewritten, with the loss and the weight's gradient of the unchunked code."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(96, 32) if form == "x @ w.T" else torch.randn(32, 96))
+    h = torch.randn(2, 8, 32)
+    target = torch.randint(0, 96, (16,))
+
+    def loss_fn(h, target):
+        logits = (h @ w.T if form == "x @ w.T" else h @ w).float()
+        return F.cross_entropy(logits.view(-1, 96), target, reduction="sum")
+
+    expected = loss_fn(h, target)
+    (expected_grad,) = torch.autograd.grad(expected, w)
+    graph, stages = loss_graph(loss_fn, {"loss_chunk_rows": 5}, h, target)
+    assert "linear_cross_entropy" in stages["chunked_cross_entropy"] and "@" not in stages["chunked_cross_entropy"]
+    got = flash_inductor.compile(loss_fn, compiler="eager", loss_chunk_rows=5)(h, target)
+    (grad,) = torch.autograd.grad(got, w)
+    assert torch.allclose(got, expected, rtol=1e-6) and torch.allclose(grad, expected_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_off_by_default_and_bad_values_refused():
     torch.manual_seed(0)
     ids = torch.randint(0, 96, (2, 8))
