@@ -219,18 +219,25 @@ if _compat.HAS_TRITON:
             return tl.floor(rel * CODE_SCALE + 0.5).to(tl.int8)
 
     @triton.jit
+    def _row_max_bits(values):
+        """The max of ``|values|`` over each row (group of 32) of a ``[block, 32 // vector, vector]`` tile, as
+        the int32 view of the fp32 result: int32 views of non-negative floats are ordered as the floats, nan
+        above inf (a row holding nan gives nan, as ``amax``), so integer maxima and atomics compute float ones."""
+        return tl.max(tl.max(tl.abs(values).to(tl.int32, bitcast=True), axis=2), axis=1)
+
+    @triton.jit
     def _group_scale(x, FACTOR: tl.constexpr, APPROX: tl.constexpr):
         """fp16 scales of the groups of ``x`` (``[block, 32 // vector, vector]``) and ``FACTOR`` over
         their fp32 values: absmax clamped to [1e-12, 65504], nan for a group holding inf or nan
         (formats/companded.py), in one reduction. APPROX: the same scales from the max of the int32
         views of ``|x|`` (ordered as ``|x|``, nan above inf), where the exact kernel compares and
         selects before each max."""
-        magnitude = tl.abs(x)
         if APPROX:
-            bits = tl.max(tl.max(magnitude.to(tl.int32, bitcast=True), axis=2), axis=1)
+            bits = _row_max_bits(x)
             absmax = bits.to(tl.float32, bitcast=True)
             scale16 = tl.where(bits < 0x7F800000, tl.minimum(tl.maximum(absmax, 1e-12), 65504.0), float("nan"))
         else:
+            magnitude = tl.abs(x)
             absmax = tl.max(tl.max(tl.where(magnitude == magnitude, magnitude, float("inf")), axis=2), axis=1)
             scale16 = tl.where(absmax == float("inf"), float("nan"), tl.minimum(tl.maximum(absmax, 1e-12), 65504.0))
         scale16 = scale16.to(tl.float16)
@@ -467,13 +474,6 @@ if _compat.HAS_TRITON:
         m = _load(m_codes + at, mask, 0.0, EVICT).to(tl.float32) * m_inverse
         v = _load(v_codes + at, mask, 0.0, EVICT).to(tl.float32) * v_inverse
         return _adam_moments(x, g, m, v, lr, weight_decay, one_minus_beta1, beta2, one_minus_beta2, DECOUPLED)
-
-    @triton.jit
-    def _row_max_bits(values):
-        """The max of ``|values|`` over each row of a ``[block, 32 // vector, vector]`` tile, as the int32 view
-        of the fp32 result: int32 views of non-negative floats are ordered as the floats, nan above inf (a
-        row holding nan gives nan, as ``amax``), so integer maxima and atomics compute float ones."""
-        return tl.max(tl.max(tl.abs(values).to(tl.int32, bitcast=True), axis=2), axis=1)
 
     @triton.jit
     def _segment_atomic_max(amax, bits, segment, ok):
