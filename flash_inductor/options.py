@@ -136,9 +136,14 @@ def _flag(options, name):
     return value
 
 
+def is_int_at_least(value, minimum):
+    """Whether ``value`` is an int of at least ``minimum``, not a bool (an int subclass)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def _int(options, name, kind, minimum, default):
     value = options.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:  # bool is an int subclass
+    if not is_int_at_least(value, minimum):
         raise _bad(name, value, f"a {kind} int (e.g. {default}, the default)")
     return value
 

@@ -23,7 +23,7 @@ from flash_inductor import checkpoint, flat, model_conversion, module_hooks, reg
 from flash_inductor import gradient_release as release
 from flash_inductor.formats import split_weights, tensor_scaled
 from flash_inductor.optimizer_record import PreparedOptimizer, init_state, make_lr_tensor, prepared
-from flash_inductor.options import Options
+from flash_inductor.options import Options, is_int_at_least
 from flash_inductor.sharded_step import route_step_through_local_optimizer
 from flash_inductor.steps import route_step_through_buckets
 
@@ -114,7 +114,7 @@ def prepare(
     if gradient_release:
         release.check_model(model)
     _check_gradient_format(gradient_format, model, names, state_bits, gradient_release)
-    if bucket_numel is not None and (isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1):
+    if bucket_numel is not None and not is_int_at_least(bucket_numel, 1):
         raise ValueError(f"bucket_numel must be None or a positive int (elements per flat bucket), got {bucket_numel!r}")
     embeddings = _embeddings_for_fp32_activations(model, fp32_activations)
     masters = model_conversion.convert_model(model, keep_fp32, held=set(names))
