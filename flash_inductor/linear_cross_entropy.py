@@ -32,8 +32,13 @@ def _kept_count(target, ignore_index):
     return (target != ignore_index).sum()
 
 
-def _chunk_logits(x, weight, bias, start, chunk_rows):
-    return F.linear(x[start:start + chunk_rows], weight, bias).float()
+def _chunk(x, weight, bias, target, ignore_index, start, chunk_rows):
+    """The chunk's fp32 logits [n, V], which of its rows count (bool [n, 1]) and their targets, 0
+    where ignored (int [n, 1]: an index for ``gather``)."""
+    logits = F.linear(x[start:start + chunk_rows], weight, bias).float()
+    chunk_target = target[start:start + chunk_rows].unsqueeze(1)
+    kept = chunk_target != ignore_index
+    return logits, kept, torch.where(kept, chunk_target, 0)
 
 
 @torch.library.custom_op("flash_inductor::linear_cross_entropy", mutates_args=())
@@ -43,13 +48,10 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     for start in range(0, x.shape[0], chunk_rows):
-        logits = _chunk_logits(x, weight, bias, start, chunk_rows)
-        chunk_target = target[start:start + chunk_rows]
-        kept = chunk_target != ignore_index
-        chunk_lse = torch.logsumexp(logits, dim=1)
-        lse[start:start + chunk_rows] = chunk_lse
-        picked = logits.gather(1, torch.where(kept, chunk_target, 0).unsqueeze(1)).squeeze(1)
-        total += torch.where(kept, chunk_lse - picked, 0.0).sum()
+        logits, kept, index = _chunk(x, weight, bias, target, ignore_index, start, chunk_rows)
+        chunk_lse = torch.logsumexp(logits, dim=1, keepdim=True)
+        lse[start:start + chunk_rows] = chunk_lse.squeeze(1)
+        total += torch.where(kept, chunk_lse - logits.gather(1, index), 0.0).sum()
     if reduction == "mean":
         total = total / _kept_count(target, ignore_index)  # 0 / 0 = nan when every target is ignored, as torch
     return total, lse
@@ -72,11 +74,9 @@ def _backward(grad_loss: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bi
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     grad_bias = torch.zeros(weight.shape[0] if bias is not None else 0, dtype=torch.float32, device=x.device)
     for start in range(0, x.shape[0], chunk_rows):
-        logits = _chunk_logits(x, weight, bias, start, chunk_rows)
-        chunk_target = target[start:start + chunk_rows]
-        kept = (chunk_target != ignore_index).unsqueeze(1)
+        logits, kept, index = _chunk(x, weight, bias, target, ignore_index, start, chunk_rows)
         grad = torch.exp(logits - lse[start:start + chunk_rows].unsqueeze(1))
-        grad.scatter_add_(1, torch.where(kept, chunk_target.unsqueeze(1), 0), torch.where(kept, -1.0, 0.0))
+        grad.scatter_add_(1, index, grad.new_full(index.shape, -1.0))
         grad = (torch.where(kept, grad, 0.0) * scale).to(x.dtype)  # the linear's gradient, in its dtype
         grad_x[start:start + chunk_rows] = grad @ weight
         grad_weight += grad.t() @ x[start:start + chunk_rows]  # each chunk's product in the linear's dtype
