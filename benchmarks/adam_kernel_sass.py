@@ -29,18 +29,20 @@ ARGUMENT_TYPES = dict(weights="*bf16", errors="*i8", grads="*bf16", m_codes="*i8
 CONVERSION_UNIT = {"MUFU", "I2F", "F2I", "FRND", "F2F"}  # opcodes (I2FP and F2FP, the packed forms, run elsewhere)
 
 
-def compile_sm90(shape):
-    """The cubin of ``_adam_kernel`` launched as ``shape`` (triton.compile for an sm_90 target)."""
+def compile_sm90(shape, module=triton_adam, per_group=False, decoupled=True, output="cubin"):
+    """The cubin (or ``output="ptx"``) of ``module._adam_kernel`` launched as ``shape`` (triton.compile
+    for an sm_90 target), for an AdamW (``decoupled``) or Adam step with one step count per bucket or
+    per group."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constants = triton_adam.kernel_constants(shape, torch.bfloat16, True, False, True, False)
-    names = triton_adam._adam_kernel.arg_names
+    constants = module.kernel_constants(shape, torch.bfloat16, True, per_group, decoupled, False)
+    names = module._adam_kernel.arg_names
     signature = {name: ARGUMENT_TYPES.get(name, "constexpr") for name in names}
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n, t in ARGUMENT_TYPES.items() if t[0] == "*" or n == "num_groups"}
-    source = ASTSource(triton_adam._adam_kernel, signature, {(names.index(k),): v for k, v in constants.items()}, aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": shape.num_warps}).asm["cubin"]
+    source = ASTSource(module._adam_kernel, signature, {(names.index(k),): v for k, v in constants.items()}, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": shape.num_warps}).asm[output]
 
 
 def sass_counts(cubin, path="/tmp/adam_kernel_sm90.cubin"):
