@@ -94,6 +94,8 @@
 #              stage's first half: the Llama at one sequence with and without bucket_numel), speed (the Llama,
 #              is_causal, 40 steps, profiled, 20 back to back: the baseline against FP8 linears with FP8-LM's
 #              states, with one bucket and with bucket_numel)
+#   amaxslots  issue 14: the FP8-LM amax kernel's atomics spread over slots (fp8lmkernel's tests part, SUFFIX _slots),
+#              then the Llama at 2 x 4096 regional + checkpointed + chunked loss, with and without gradient release
 #   chunkedloss issue 14: the option loss_chunk_rows (the lm_head and its cross-entropy 1024 rows at a time): the
 #              Llama (is_causal, 40 steps, 20 back to back) with FP8 linears and FP8-LM's states, and flashoptim,
 #              each with and without it (peak memory, speed)
@@ -434,6 +436,15 @@ case $stage in
           --configs baseline,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates+buckets \
           --steps 40 --log-every 20 --pipelined 20 --profile 2 ;;
     esac
+    ;;
+  amaxslots)
+    # the FP8-LM step's amax atomics spread over AMAX_SLOTS addresses: its GPU tests and the step alone on the 1.2B
+    # GPT's tensors; then gradient release where the chunked loss moved the peak off the logits: the Llama at
+    # 2 x 4096, regional, checkpointed, its eager loss chunked, with and without release (no clipping)
+    PART=tests SUFFIX=_slots bash "$0" fp8lmkernel "$out"
+    logged hf_clients_llama_release_chunkedloss_h200 300 hf_clients.py --model llama --attention is_causal --clip 0 \
+      --configs flashoptim+regional+checkpoint+chunkedloss,flashoptim_release+regional+checkpoint+chunkedloss \
+      --steps 8 --warmup 3 --log-every 4
     ;;
   chunkedloss)
     logged hf_clients_llama_chunkedloss_h200 540 hf_clients.py --model llama --attention is_causal \

@@ -44,7 +44,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
     +buckets            flat buckets of at most 2**26 elements (prepare's bucket_numel): the step lands the
                         gradients bucket by bucket, holding them twice for one bucket only
     +chunkedloss        the lm_head and its cross-entropy 1024 rows at a time (loss_chunk_rows=1024): the fp32
-                        logits never exist whole (compiled graphs only: not with +regional, whose loss is eager)
+                        logits never exist whole (with +regional, whose loss is eager, the Llama's loss calls
+                        flash_inductor.linear_cross_entropy on its last hidden state itself)
 e.g. ``flashoptim_fp8+fp32act+cudagraphs``. The baseline takes two:
     +foreach            torch AdamW's foreach implementation instead of the fused one: the same arithmetic
                         rounded in another order, so the loss moves only by how training amplifies rounding
@@ -192,7 +193,11 @@ def vocab_size(name, config):
     return config.vocab if name == "gpt" else config.vocab_size
 
 
-def lm_loss(model, x, y):
+def lm_loss(model, x, y, chunk_rows=0):
+    if chunk_rows:  # an eager loss (a regional step) chunked by hand, as the pass chunks a compiled one
+        hidden = model.model(x).last_hidden_state
+        return flash_inductor.linear_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, None, y.flatten(),
+                                                   chunk_rows=chunk_rows)
     out = model(x)
     logits = getattr(out, "logits", out)  # a transformers ModelOutput, or train_gpt's GPT's tensor
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -205,13 +210,13 @@ def adamw_args(args):
     return dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def loss_function(model, use_autocast):
-    """(x, y) -> the model's next-token loss, under bf16 autocast or not. The peers compile this
-    whole function, the loss with the model, as the flashoptim rows' train step does."""
+def loss_function(model, use_autocast, chunk_rows=0):
+    """(x, y) -> the model's next-token loss, under bf16 autocast or not (``chunk_rows``: ``lm_loss``'s).
+    The peers compile this whole function, the loss with the model, as the flashoptim rows' train step does."""
 
     def loss(x, y):
         with torch.autocast(x.device.type, dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext():
-            return lm_loss(model, x, y)
+            return lm_loss(model, x, y, chunk_rows)
 
     return loss
 
@@ -268,7 +273,9 @@ def build_flashoptim(model, args, gradient_release=False, fp32_activations=False
     clip = 0 if gradient_release else args.clip
     if args.no_inductor:
         options["compiler"] = "eager"
-    loss = loss_function(model, fp32_activations)
+    # A regional step's loss is eager: chunked here, as loss_chunk_rows would chunk a compiled one
+    eager_chunk_rows = options.pop("loss_chunk_rows", 0) if options.get("regional") else 0
+    loss = loss_function(model, fp32_activations, eager_chunk_rows)
     step = flash_inductor.train_step(make_step(loss, model.parameters(), opt, clip), model=model, optimizer=opt,
                                      gradient_release=gradient_release, fp32_activations=fp32_activations, **options)
     return Setup(model, opt, step, autocast=fp32_activations, record_fp8="fp8" in options), clip

@@ -45,7 +45,12 @@ def train_step(fn=None, *, model, optimizer, regional=False, **options):
         return functools.partial(train_step, model=model, optimizer=optimizer, regional=regional, **prepare_args,
                                  **options)
     if regional:  # checked before anything changes
-        Options.from_dict(options)
+        if Options.from_dict(options).loss_chunk_rows:
+            raise ValueError(
+                "train_step(regional=True): loss_chunk_rows rewrites a loss in a compiled graph, and a regional step "
+                "runs its loss eagerly; call flash_inductor.linear_cross_entropy(hidden, lm_head.weight, None, "
+                "targets, chunk_rows=...) in the step instead, or compile the whole step (regional=False)"
+            )
         blocks = repeated_blocks(model)
         block_options = _block_fp8_options(model, blocks, options)
     if optimizer not in roles.PREPARED:

@@ -106,6 +106,7 @@ class LaunchShape:
 
 
 LAUNCH = LaunchShape()  # what ``step`` launches (benchmarks swap it)
+AMAX_SLOTS = 32  # addresses per tensor for the FP8-LM step's amax atomics (_step_tensor_scaled)
 # Triton's interpreter (TRITON_INTERPRET=1 before the first import of triton: tests/test_triton_interpreter.py)
 # runs the kernel on CPU tensors, in numpy.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -478,12 +479,13 @@ if _compat.HAS_TRITON:
     @triton.jit
     def _segment_atomic_max(amax, bits, segment, ok):
         """``amax[segment] = max(amax[segment], bits)`` for the block's rows ``ok``, in few atomics: one for
-        the rows of the block's first tensor, one for its last one's, one per row of the tensors wholly inside
-        the block (small ones), so that a tensor of many rows takes one atomic per block, not per row."""
+        the rows of the block's first tensor, one for its last one's if it is another, one per row of the
+        tensors wholly inside the block (small ones), so that a tensor of many rows takes one atomic per
+        block, not per row. ``amax`` is this program's slot (``_step_tensor_scaled``)."""
         first = tl.min(tl.where(ok, segment, 2**30))
         last = tl.max(tl.where(ok, segment, -1))
         tl.atomic_max(amax + first, tl.max(tl.where(ok & (segment == first), bits, 0)))
-        tl.atomic_max(amax + last, tl.max(tl.where(ok & (segment == last), bits, 0)))
+        tl.atomic_max(amax + last, tl.max(tl.where(ok & (segment == last), bits, 0)), mask=last != first)
         tl.atomic_max(amax + segment, bits, mask=ok & (segment != first) & (segment != last))
 
     @triton.jit
@@ -493,11 +495,13 @@ if _compat.HAS_TRITON:
         DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_ERRORS: tl.constexpr,
         MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr,
         BLOCK: tl.constexpr, VECTOR: tl.constexpr, EVICT: tl.constexpr, APPROX: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+        SLOTS: tl.constexpr,
     ):
         """First pass of the FP8-LM step: each tensor's max of ``|m|`` and of ``v`` after this step's
-        gradient (``amax`` [2, S], int32 views of fp32, zeroed before), which its new scales come from.
-        Reads the gradients and the codes (and for Adam's L2 term the masters). Parameters without a
-        gradient keep their scales (``_step_tensor_scaled``), whatever their rows give here."""
+        gradient (``amax`` [2, SLOTS, S], int32 views of fp32, zeroed before; program p writes slot
+        p % SLOTS), which its new scales come from. Reads the gradients and the codes (and for Adam's L2
+        term the masters). Parameters without a gradient keep their scales (``_step_tensor_scaled``),
+        whatever their rows give here."""
         rows, ok = _block_rows(tl.program_id(0), num_groups, BLOCK)
         at = _element_offsets(rows, VECTOR)
         mask = ok[:, None, None]
@@ -509,8 +513,9 @@ if _compat.HAS_TRITON:
         g = _gradient(grads, at, mask, MAXIMIZE, EVICT)
         _, m, v = _tensor_scaled_moments(x, g, m_codes, m_scales, v_codes, v_scales, segment, at, mask, 0.0, weight_decay,
                                          one_minus_beta1, beta2, one_minus_beta2, DECOUPLED, EVICT)
-        _segment_atomic_max(amax, _row_max_bits(m), segment, ok)
-        _segment_atomic_max(amax + num_segments, _row_max_bits(v), segment, ok)
+        slot = amax + (tl.program_id(0) % SLOTS) * num_segments
+        _segment_atomic_max(slot, _row_max_bits(m), segment, ok)
+        _segment_atomic_max(slot + SLOTS * num_segments, _row_max_bits(v), segment, ok)
 
     @triton.jit
     def _fp8lm_step_kernel(
@@ -603,19 +608,21 @@ def _step_tensor_scaled(bucket, tensors, m, v, beta_powers, lr, hyper, eps, weig
     """The step with FP8-LM's states (formats/tensor_scaled.py), whose new codes need the new per-tensor
     scales, so the amax of every tensor's new moments first: a first kernel reduces them per tensor
     (``_segment_atomic_max``: integer atomics, about one per block), and a second kernel recomputes the
-    moments, updates the masters and encodes. Recomputing reads 5 B/param more (gradient and codes)
+    moments, updates the masters and encodes. Each tensor's maxima are spread over ``AMAX_SLOTS``
+    addresses, reduced here: atomics on one address serialize, and a tensor spans thousands of blocks.
+    Recomputing reads 5 B/param more (gradient and codes)
     where keeping the fp32 moments between the passes would write and read 16. Tensors of parameters
     without a gradient keep their scales, and their rows are not written. Launched one block per
     program (``LaunchShape``'s block, warps, vector, evict and approx; not persistent)."""
     shape, starts = LAUNCH, m.starts
     blocks = triton.cdiv(bucket.num_groups, shape.block_groups)
     segments = dict(starts=starts, num_segments=starts.numel(), SEARCH_STEPS=max(1, (starts.numel() - 1).bit_length()))
-    amax = torch.zeros(2, starts.numel(), dtype=torch.int32, device=starts.device)
+    slots = torch.zeros(2, AMAX_SLOTS, starts.numel(), dtype=torch.int32, device=starts.device)
     _fp8lm_amax_kernel[(blocks,)](
-        *tensors, m.codes, m.scales, v.codes, v.scales, amax=amax, num_groups=bucket.num_groups,
+        *tensors, m.codes, m.scales, v.codes, v.scales, amax=slots, num_groups=bucket.num_groups,
         one_minus_beta1=hyper[0], beta2=hyper[1], one_minus_beta2=hyper[2], weight_decay=weight_decay, **segments,
-        **_arguments_of(_fp8lm_amax_kernel, constants), num_warps=shape.num_warps)
-    amax = amax.view(torch.float32)
+        **_arguments_of(_fp8lm_amax_kernel, constants), SLOTS=AMAX_SLOTS, num_warps=shape.num_warps)
+    amax = slots.amax(1).view(torch.float32)
     new_scales = torch.stack([tensor_scaled.scale_from_amax(amax[i], state.codes.dtype) for i, state in enumerate((m, v))])
     if bucket.per_group:
         new_scales = torch.where(bucket.active.view(-1)[starts], new_scales, torch.stack([m.scales, v.scales]))

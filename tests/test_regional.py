@@ -174,3 +174,13 @@ def test_regional_train_step_needs_a_module_list():
     with pytest.raises(ValueError, match=r"regional=True.*Net has no nn.ModuleList.*regional=False"):
         flash_inductor.train_step(lambda x: x, model=model, optimizer=opt, regional=True)
     assert all(p.dtype == torch.float32 for p in model.parameters()) and not opt.state  # not prepared
+
+
+def test_regional_train_step_refuses_a_chunked_loss_it_cannot_apply():
+    """A regional step's loss runs eagerly, where no pass can rewrite it: ``loss_chunk_rows`` is
+    refused with the call that does it, before anything is prepared."""
+    model = nn.Sequential(nn.ModuleList([nn.Linear(8, 8)]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"regional=True.*loss_chunk_rows.*flash_inductor\.linear_cross_entropy"):
+        flash_inductor.train_step(lambda x: x, model=model, optimizer=opt, regional=True, loss_chunk_rows=1024)
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and not opt.state  # not prepared
