@@ -98,7 +98,7 @@
 #              then the Llama at 2 x 4096 regional + checkpointed + chunked loss, with and without gradient release
 #   chunkedloss issue 14: the option loss_chunk_rows (the lm_head and its cross-entropy 1024 rows at a time): the
 #              Llama (is_causal, 40 steps, 20 back to back) with FP8 linears and FP8-LM's states, and flashoptim,
-#              each with and without it (peak memory, speed)
+#              each with and without it (peak memory, speed); CONFIGS picks rows, SUFFIX names the files
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -447,8 +447,8 @@ case $stage in
       --steps 8 --warmup 3 --log-every 4
     ;;
   chunkedloss)
-    logged hf_clients_llama_chunkedloss_h200 540 hf_clients.py --model llama --attention is_causal \
-      --configs baseline,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates+chunkedloss,flashoptim,flashoptim+chunkedloss \
+    logged hf_clients_llama_chunkedloss${SUFFIX:-}_h200 540 hf_clients.py --model llama --attention is_causal \
+      --configs "${CONFIGS:-baseline,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates+chunkedloss,flashoptim,flashoptim+chunkedloss}" \
       --steps 40 --log-every 20 --pipelined 20
     ;;
   multigpu)

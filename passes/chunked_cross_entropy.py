@@ -16,8 +16,9 @@ After::
 
 The pattern: ``F.cross_entropy`` (mean or sum, no class weights, no label smoothing) of a 2-D input
 that is a linear's output (``F.linear``, ``x @ w.T``, ``x @ w`` with ``w`` a 2-D graph input: the
-forms of ``passes/fp8_linear.py``) through any of ``.float()``, ``.to(torch.float32)``, ``.view`` and
-``.reshape``, each used only there (logits the step also returns are needed whole). The linear must
+forms of ``passes/fp8_linear.py``) through any of ``.float()``, ``.to(torch.float32)``, ``.view``,
+``.reshape`` and ``flatten`` that keep the linear's outputs as the classes, each used only there
+(logits the step also returns are needed whole). The linear must
 compute in its operands' dtype: under autocast, where it casts fp32 operands to bf16, it is left as
 it is. ``flash_inductor/linear_cross_entropy.py`` computes the same logits and the same per-row
 terms; runs before ``fp8_linear``, so a chunked lm_head stays in its dtype. Every cross-entropy's
@@ -37,9 +38,14 @@ _DEFAULTS = {"weight": None, "size_average": None, "reduce": None, "label_smooth
 
 
 def _is_widening_or_view(node):
+    """``.float()``, ``.to(torch.float32)``, or a view that keeps the order of the elements (``view``,
+    ``reshape``, ``flatten``): the cross-entropy's rows are then the linear's rows where the classes
+    stay the last dim, which ``_match`` checks."""
+    if node.op == "call_function":
+        return node.target is torch.flatten
     if node.op != "call_method":
         return False
-    if node.target in ("float", "view", "reshape"):
+    if node.target in ("float", "view", "reshape", "flatten"):
         return node.target != "float" or len(node.args) == 1
     return node.target == "to" and node.args[1:] == (torch.float32,) and not node.kwargs
 
@@ -68,6 +74,8 @@ def _match(node):
         return "its input is not a linear's output (widened or viewed only)"
     if any(len(n.users) != 1 for n in chain):
         return "the logits are used elsewhere too"
+    if logits.shape[-1] != input_.meta["example_value"].shape[-1]:
+        return "its views move the linear's outputs out of the classes' dim"
     x, weight = linear[0], linear[1]
     dtypes = {t.meta["example_value"].dtype for t in (input_, x, weight) if "example_value" in getattr(t, "meta", {})}
     if len(dtypes) != 1:

@@ -174,6 +174,37 @@ def test_logits_used_elsewhere_stay_whole_and_the_report_says_why():
     assert any(d[0] == "chunked_cross_entropy" and "used elsewhere" in d[2] for d in graph.decisions), graph.decisions
 
 
+VIEWS = {
+    "view": lambda logits: logits.view(-1, 96),
+    "reshape": lambda logits: logits.reshape(16, 96),
+    "flatten": lambda logits: logits.flatten(0, 1),
+    "torch.flatten": lambda logits: torch.flatten(logits, 0, 1),
+    "classes moved": lambda logits: logits.view(96, -1),  # [2, 8, 96] as 96 rows of 16 classes: left whole
+}
+
+
+@pytest.mark.parametrize("view", VIEWS)
+def test_views_that_keep_the_classes_are_rewritten(view):
+    """The logits reach the loss through any view that keeps the linear's outputs as the classes (as
+    ``flatten(0, 1)`` of [batch, seq, vocab]); one that moves them into the rows stays whole, said why."""
+    model = LanguageModelHead()
+    rows = 96 if view == "classes moved" else 16
+
+    def loss_fn(ids, target):
+        return F.cross_entropy(VIEWS[view](model.lm_head(model.norm(model.embed(ids))).float()), target)
+
+    ids, target = torch.randint(0, 96, (2, 8)), torch.randint(0, 16, (rows,))
+    graph, stages = loss_graph(loss_fn, {"loss_chunk_rows": 4}, ids, target)
+    decisions = [d[2] for d in graph.decisions if d[0] == "chunked_cross_entropy"]
+    if view == "classes moved":
+        assert "linear_cross_entropy" not in stages["chunked_cross_entropy"]
+        assert decisions == ["whole: its views move the linear's outputs out of the classes' dim"]
+        return
+    assert "linear_cross_entropy" in stages["chunked_cross_entropy"] and decisions == ["chunked, 4 rows at a time"]
+    got = flash_inductor.compile(loss_fn, compiler="eager", loss_chunk_rows=4)(ids, target)
+    assert torch.allclose(got, loss_fn(ids, target), rtol=1e-6)
+
+
 @pytest.mark.parametrize("form", ["x @ w.T", "x @ w"])
 def test_matmul_forms_are_rewritten_with_their_gradients(form):
     """``x @ w.T`` (w stored (out, in)) and ``x @ w`` (stored (in, out), as Hugging Face's Conv1D):
