@@ -67,6 +67,7 @@
 #              cudagraphs=True (GRAPH_CONFIGS), 60 steps (GRAPH_STEPS), profiled, then 20 steps back to back
 #              (--pipelined); first the GPU tests of CUDA graphs and FP8 (GRAPH_TESTS=0 skips them)
 #   hfsnapshot issue 14: who holds the memory between steps, HF GPT-2 124M: baseline and flashoptim
+#   llamapeak  issue 14: what the Llama's @train_step (flashoptim, is_causal, 2 x 4096) holds at its steady peak
 #   gptsnapshot   the same for our GPT (train_gpt.py's, 124m shape): flashoptim
 #   landing14  issue 14, PART=speed (default): every GPU test (gradients landed at the step, the FP8 transposes
 #              merged), then the Llama's baseline against flashoptim + FP8 + fast accumulation + cudagraphs
@@ -328,6 +329,11 @@ case $stage in
   hfsnapshot)
     # at most 8 files come back from a device call: 2 rows x (txt, json, pickle) + json + log
     logged hf_snapshot_gpt2_h200 500 hf_clients.py --model gpt2 --configs baseline,flashoptim --snapshot "$out"
+    ;;
+  llamapeak)
+    # what @train_step's steady peak holds on the Llama at 2 x 4096 (flashoptim; the chunked loss did not lower it)
+    logged hf_snapshot_llama_h200 230 hf_clients.py --model llama --attention is_causal --configs flashoptim \
+      --snapshot "$out" --snapshot-entries 300000
     ;;
   gptsnapshot)
     logged hf_snapshot_gpt_h200 300 hf_clients.py --model gpt --configs flashoptim --snapshot "$out"

@@ -107,7 +107,7 @@ import flash_inductor
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from gpu_profile import step_profile  # noqa: E402
-from snapshot_analysis import analyse_snapshot, format_analysis, live_blocks, python_tensor_storages  # noqa: E402
+from snapshot_analysis import analyse_blocks, analyse_snapshot, format_analysis, live_blocks, peak_blocks, python_tensor_storages  # noqa: E402
 from train_gpt import (  # noqa: E402
     GPT,
     Setup,
@@ -563,7 +563,8 @@ def print_profile(profile):
 
 
 def snapshot_configuration(name, corpus, args, device, folder):
-    """Record the allocator's history over build + 3 steps; write what is alive after the third."""
+    """Record the allocator's history over build + 3 steps; write what is alive after the third, and
+    what was alive at the peak of the second and third (the steady steps, past compile)."""
     starts = train_starts(len(corpus.train), 3, args.batch, args.seq, args.seed).to(device)
     release_memory(device)
     before = allocated(device)
@@ -571,9 +572,11 @@ def snapshot_configuration(name, corpus, args, device, folder):
     torch.cuda.memory._record_memory_history(max_entries=args.snapshot_entries, stacks="python")
     setup, _, schedule = build(name, args, device)
     after_build = allocated(device) - before
-    for rows in starts:
+    for i, rows in enumerate(starts):
         setup.step(*batch(corpus.train, rows, args.seq)).item()
         schedule.step()
+        if i == 0:
+            steady_from = len(torch.cuda.memory._snapshot()["device_traces"][device.index or 0])
     gc.collect()
     between = allocated(device) - before
     snapshot = torch.cuda.memory._snapshot()
@@ -582,11 +585,21 @@ def snapshot_configuration(name, corpus, args, device, folder):
     analysis = analyse_snapshot(snapshot, report, python_tensor_storages(device.type), exclude=existing)
     analysis.update(allocated_after_build_bytes=after_build, allocated_between_steps_bytes=between,
                     num_params=sum(p.numel() for p in setup.model.parameters()))
+    trace = snapshot["device_traces"][device.index or 0]
+    if len(trace) < args.snapshot_entries:  # the whole recording: its peak can be replayed
+        peak, blocks = peak_blocks(snapshot, start=steady_from, device=device.index or 0)
+        analysis["steady_peak"] = analyse_blocks(blocks)
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"{args.model}_{name}_snapshot"
     text = format_analysis(analysis, f"{args.model} {name}: after build (prepare) {after_build / 2**20:.1f} MiB, "
                                      f"between steps {between / 2**20:.1f} MiB allocated "
                                      f"({between / analysis['num_params']:.3f} B/param)")
+    if "steady_peak" in analysis:
+        text += "\n\n" + format_analysis(analysis["steady_peak"], f"{args.model} {name}: the peak of steps 2-3, "
+                                         "what the recording allocated (blocks from before it not counted)",
+                                         moment="at the peak")
+    else:
+        text += f"\n\nno peak analysis: the trace reached --snapshot-entries ({args.snapshot_entries}), its start is lost"
     pathlib.Path(f"{stem}.txt").write_text(text + "\n")
     write_json(analysis, f"{stem}.json")
     raw = pickle.dumps(snapshot)

@@ -72,15 +72,45 @@ def live_blocks(snapshot, exclude=()):
             if b["state"] == "active_allocated" and (b["address"], b["size"]) not in exclude]
 
 
+def peak_blocks(snapshot, start=0, device=0):
+    """(bytes, blocks) at the peak of what the recorded trace allocated, over its events from ``start``
+    on: the trace replayed from the recording's start (``alloc`` adds a block, ``free_completed``
+    removes it; blocks alive before the recording are not counted), the blocks alive at the first
+    event that reaches the peak as (address, size, frames). The trace must hold the whole recording
+    (``_record_memory_history``'s ``max_entries`` not reached)."""
+    trace = snapshot["device_traces"][device]
+    total = peak = 0
+    peak_at = -1
+    for i, event in enumerate(trace):
+        total += _size_change(event)
+        if i >= start and total > peak:
+            peak, peak_at = total, i
+    alive = {}
+    for event in trace[:peak_at + 1]:
+        if event["action"] == "alloc":
+            alive[event["addr"]] = (event["addr"], event["size"], event.get("frames", []))
+        elif event["action"] == "free_completed":
+            alive.pop(event["addr"], None)
+    return peak, list(alive.values())
+
+
+def _size_change(event):
+    return {"alloc": event["size"], "free_completed": -event["size"]}.get(event["action"], 0)
+
+
 def analyse_snapshot(snapshot, report=None, python_storages=None, exclude=(), top=20):
-    """What is alive in a memory snapshot, by the code that allocated it.
+    """What is alive in a memory snapshot, by the code that allocated it: ``analyse_blocks`` of its
+    allocated blocks but those ``exclude`` names ((address, size) pairs)."""
+    return analyse_blocks(live_blocks(snapshot, exclude), report, python_storages, top)
+
+
+def analyse_blocks(blocks, report=None, python_storages=None, top=20):
+    """What ``blocks`` ((address, size, frames)) hold, by the code that allocated them.
 
     ``report``: bytes by component (``memory_report``), compared with the total; ``python_storages``:
     {data pointer: bytes} of the storages of tensors Python can reach (``python_tensor_storages``),
-    to tell the blocks no Python tensor points into; ``exclude``: (address, size) of blocks to leave
-    out. Returns a dict of totals (``python_bytes``: of the reachable storages inside the blocks
-    analysed) and the ``top`` groups by (site, owner), largest first."""
-    blocks = live_blocks(snapshot, exclude)
+    to tell the blocks no Python tensor points into. Returns a dict of totals (``python_bytes``: of
+    the reachable storages inside the blocks) and the ``top`` groups by (site, owner), largest first."""
     pointers = sorted(python_storages or {})
     groups = collections.defaultdict(lambda: {"bytes": 0, "blocks": 0, "unreachable_bytes": 0})
     by_category = collections.Counter()
@@ -134,9 +164,9 @@ def python_tensor_storages(device_type):
     return out
 
 
-def format_analysis(a, title):
+def format_analysis(a, title, moment="between steps"):
     mib = 2**20
-    lines = [title, f"live between steps: {a['live_bytes'] / mib:.1f} MiB in {a['live_blocks']} blocks"]
+    lines = [title, f"live {moment}: {a['live_bytes'] / mib:.1f} MiB in {a['live_blocks']} blocks"]
     if "report_bytes" in a:
         parts = ", ".join(f"{k} {v / mib:.1f}" for k, v in a["report_bytes"].items())
         lines.append(f"memory_report (MiB): {parts}; without grads {a['report_without_grads_bytes'] / mib:.1f}; "

@@ -4,6 +4,7 @@ snapshot in the format of ``torch.cuda.memory._snapshot()``."""
 
 import json
 import math
+import random
 import sys
 
 import pytest
@@ -278,3 +279,42 @@ def test_checkpoint_modifier_recomputes_the_layers_in_backward(bench, fresh_dyna
     args = bench.parse_args(["--model", "gpt", "--size", "tiny", "--device", "cpu", "--no-inductor"])
     with pytest.raises(ValueError, match=r"\+checkpoint: GPT is not a Hugging Face model"):
         bench.build("baseline+checkpoint", args, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("start", [0, 60])
+def test_snapshot_peak_blocks_are_what_was_alive_at_the_traces_peak(analysis, start):
+    """Against brute force: the live set after every prefix of a random trace (allocs, frees requested
+    and completed some events later, as a stream's pending work delays them, segment events that
+    hold no tensor), its first largest total from ``start`` on."""
+    rng = random.Random(start)
+    trace, alive, pending, next_address = [], [], [], 0
+    for _ in range(200):
+        if pending and rng.random() < 0.3:
+            address, size = pending.pop(0)
+            trace.append({"action": "free_completed", "addr": address, "size": size})
+        if alive and rng.random() < 0.45:
+            address, size = alive.pop(rng.randrange(len(alive)))
+            trace.append({"action": "free_requested", "addr": address, "size": size})
+            pending.append((address, size))
+        else:
+            size = rng.choice([1, 2, 3, 5, 8]) * MiB
+            trace.append({"action": "alloc", "addr": next_address, "size": size, "frames": [_frame("f.py", size, "g")]})
+            alive.append((next_address, size))
+            next_address += size
+        if rng.random() < 0.1:
+            trace.append({"action": "segment_alloc", "addr": 10**12, "size": 64 * MiB})
+
+    def live_after(i):
+        live = {}
+        for event in trace[:i + 1]:
+            if event["action"] == "alloc":
+                live[event["addr"]] = event["size"]
+            elif event["action"] == "free_completed":
+                del live[event["addr"]]
+        return live
+
+    totals = [sum(live_after(i).values()) for i in range(len(trace))]
+    best = max(range(start, len(trace)), key=lambda i: (totals[i], -i))
+    peak, blocks = analysis.peak_blocks({"device_traces": [trace]}, start=start)
+    assert peak == totals[best] and {(a, s) for a, s, _ in blocks} == set(live_after(best).items())
+    assert all(frames == [_frame("f.py", s, "g")] for _, s, frames in blocks)
