@@ -587,7 +587,7 @@ def snapshot_configuration(name, corpus, args, device, folder):
                     num_params=sum(p.numel() for p in setup.model.parameters()))
     trace = snapshot["device_traces"][device.index or 0]
     if len(trace) < args.snapshot_entries:  # the whole recording: its peak can be replayed
-        peak, blocks = peak_blocks(snapshot, start=steady_from, device=device.index or 0)
+        _, blocks = peak_blocks(snapshot, start=steady_from, device=device.index or 0)
         analysis["steady_peak"] = analyse_blocks(blocks)
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"{args.model}_{name}_snapshot"
