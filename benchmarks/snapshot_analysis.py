@@ -110,9 +110,12 @@ def analyse_blocks(blocks, report=None, python_storages=None, top=20):
     ``report``: bytes by component (``memory_report``), compared with the total; ``python_storages``:
     {data pointer: bytes} of the storages of tensors Python can reach (``python_tensor_storages``),
     to tell the blocks no Python tensor points into. Returns a dict of totals (``python_bytes``: of
-    the reachable storages inside the blocks) and the ``top`` groups by (site, owner), largest first."""
+    the reachable storages inside the blocks), the ``top`` groups by (site, owner) and the ``top``
+    owners, largest first (a compiled graph allocates each buffer from a line of its own, so its
+    blocks group by the model code they were allocated for only)."""
     pointers = sorted(python_storages or {})
     groups = collections.defaultdict(lambda: {"bytes": 0, "blocks": 0, "unreachable_bytes": 0})
+    owners = collections.defaultdict(lambda: {"bytes": 0, "blocks": 0})
     by_category = collections.Counter()
     by_owner_category = collections.Counter()
     unreachable = python_bytes = 0
@@ -124,6 +127,8 @@ def analyse_blocks(blocks, report=None, python_storages=None, top=20):
         g = groups[site, owner]
         g["bytes"] += size
         g["blocks"] += 1
+        owners[owner]["bytes"] += size
+        owners[owner]["blocks"] += 1
         if python_storages is not None and not reachable:
             g["unreachable_bytes"] += size
             unreachable += size
@@ -136,6 +141,7 @@ def analyse_blocks(blocks, report=None, python_storages=None, top=20):
         "by_site_category": dict(by_category.most_common()), "by_owner_category": dict(by_owner_category.most_common()),
         "groups": [{"site": s, "owner": o, **g} for (s, o), g in ranked[:top]],
         "groups_left_out": max(0, len(ranked) - top),
+        "owners": [{"owner": o, **g} for o, g in sorted(owners.items(), key=lambda kv: -kv[1]["bytes"])[:top]],
     }
     if python_storages is not None:
         out.update(python_bytes=python_bytes, unreachable_bytes=unreachable)
@@ -182,4 +188,6 @@ def format_analysis(a, title, moment="between steps"):
         lines.append(f"{g['bytes'] / mib:9.1f} {g['blocks']:6d} {g['unreachable_bytes'] / mib:9.1f}  {g['site']}{owner}")
     if a["groups_left_out"]:
         lines.append(f"... {a['groups_left_out']} smaller groups left out")
+    lines.append(f"{'MiB':>9} {'blocks':>6}  owner (the blocks of every site allocated on its behalf)")
+    lines += [f"{o['bytes'] / mib:9.1f} {o['blocks']:6d}  {o['owner']}" for o in a["owners"]]
     return "\n".join(lines)

@@ -196,9 +196,15 @@ def test_snapshot_analysis_groups_live_blocks_by_the_code_that_allocated_them(an
         ("<no Python frames>", "<no Python frames>", 32, 1, 32),
     ]
     assert a["groups_left_out"] == 1
+    assert [(o["owner"], o["bytes"] // MiB, o["blocks"]) for o in a["owners"]] == [
+        ("flash_inductor/flat.py:183 hold_gradients", 64, 1),
+        ("flash_inductor/steps.py:120 run_compiled_step", 48, 2),
+        ("<no Python frames>", 32, 1),
+    ]
     text = analysis.format_analysis(a, "title")
     assert "torch/nn/functional.py" not in text  # the fourth group is left out
     assert "48.0      2      32.0  <inductor generated>/cabcdef.py:900 call  <-  flash_inductor/steps.py:120" in text
+    assert "     48.0      2  flash_inductor/steps.py:120 run_compiled_step\n" in text  # the owners' listing
     assert "live - report = 50.0 MiB" in text
 
 
