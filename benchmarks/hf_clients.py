@@ -82,8 +82,9 @@ wall time against GPU busy time, the top kernels and CPU operators per step.
 ``--snapshot DIR`` (CUDA): instead of training, each configuration records the allocator's history
 over build (prepare) + 3 steps and writes what is alive between steps, grouped by the code that
 allocated it (``analyse_snapshot``), compared with ``memory_report`` and with the tensors Python
-can reach (``gc``): ``DIR/{model}_{config}_snapshot.txt`` and ``.json``, plus the raw snapshot
-``.pickle`` when it is under 15 MiB (for https://pytorch.org/memory_viz).
+can reach (``gc``), and what was alive at the peak of steps 2-3 (``peak_blocks``: the trace replayed,
+when ``--snapshot-entries`` held all of it): ``DIR/{model}_{config}_snapshot.txt`` and ``.json``, plus
+the raw snapshot ``.pickle`` when it is under 15 MiB (for https://pytorch.org/memory_viz).
 """
 
 import argparse
