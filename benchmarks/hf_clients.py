@@ -794,10 +794,32 @@ def merge(paths):
     return results
 
 
+# Student's t, two-sided 95% (the 0.975 quantile) by degrees of freedom 1-30; beyond 30 the normal
+# quantile with its corrections in 1 / df and 1 / df**2 (Cornish-Fisher) is within 0.01%.
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_975(df):
+    if df <= len(T_975):
+        return T_975[df - 1]
+    z = statistics.NormalDist().inv_cdf(0.975)
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def mean_interval(values):
+    """(mean, low, high): the mean of ``values`` (independent seeds) and its two-sided 95% t-interval."""
+    mean = statistics.mean(values)
+    half = t_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
 def seed_summary(runs):
     """For each configuration run with several seeds: the last-50 losses by seed, their mean and
     standard deviation, and each seed's difference from the baseline run with the same seed (the
-    same initial weights and batches), and its mean against the baseline's over the seeds both ran."""
+    same initial weights and batches), and its mean against the baseline's over the seeds both ran;
+    with the mean of the seed-by-seed differences and its 95% interval (how far seeds let a gap of
+    this many seeds be told apart from the 1% target)."""
     losses = {}
     for key, r in runs.items():
         name, seed = parse_run_key(key)
@@ -816,6 +838,7 @@ def seed_summary(runs):
             # Over the seeds both ran: seeds differ by more than the rows do.
             summary[name]["mean_vs_baseline_mean"] = (statistics.mean(by_seed[s] for s in shared)
                                                       / statistics.mean(base[s] for s in shared) - 1)
+            summary[name]["vs_baseline_by_seed_mean_ci95"] = mean_interval([by_seed[s] / base[s] - 1 for s in shared])
     return summary
 
 
@@ -823,12 +846,14 @@ def print_seed_summary(summary):
     if not summary:
         return
     rows = [("configuration", "seeds", "last-50 loss by seed", "mean ± std", "vs baseline's mean (same seeds)",
-             "vs baseline, seed by seed")]
+             "vs baseline, seed by seed", "their mean [95% interval]")]
     for name, s in summary.items():
         rel = s.get("mean_vs_baseline_mean")
+        interval = s.get("vs_baseline_by_seed_mean_ci95")
         rows.append((name, ",".join(s["last50_loss_by_seed"]), " ".join(f"{v:.4f}" for v in s["last50_loss_by_seed"].values()),
                      f"{s['mean']:.4f} ± {s['std']:.4f}", "" if rel is None else f"{rel * 100:+.2f}%",
-                     " ".join(f"{v * 100:+.2f}%" for v in s["vs_baseline_by_seed"].values())))
+                     " ".join(f"{v * 100:+.2f}%" for v in s["vs_baseline_by_seed"].values()),
+                     "" if interval is None else "{:+.2f}% [{:+.2f}, {:+.2f}]".format(*(v * 100 for v in interval))))
     print()
     print_aligned(rows)
 

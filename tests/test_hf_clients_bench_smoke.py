@@ -5,6 +5,7 @@ snapshot in the format of ``torch.cuda.memory._snapshot()``."""
 import json
 import math
 import random
+import statistics
 import sys
 
 import pytest
@@ -98,6 +99,10 @@ def test_runs_of_other_seeds_merge_into_a_summary_over_seeds(bench, tmp_path):
     assert summary["mean"] == pytest.approx(mean)
     assert summary["std"] == pytest.approx(math.sqrt(sum((v - mean) ** 2 for v in (2.04, 2.08, 1.97)) / 2))
     assert summary["vs_baseline_by_seed"] == pytest.approx({"0": 0.02, "1": 2.08 / 2.10 - 1, "2": 1.97 / 1.96 - 1})
+    gaps = [0.02, 2.08 / 2.10 - 1, 1.97 / 1.96 - 1]
+    half = 4.303 * statistics.stdev(gaps) / math.sqrt(3)  # Student's t, 2 degrees of freedom, 97.5%
+    assert summary["vs_baseline_by_seed_mean_ci95"] == pytest.approx(
+        (statistics.mean(gaps), statistics.mean(gaps) - half, statistics.mean(gaps) + half))
     target = merged["targets"]["flashoptim"]
     # Seed 0 alone misses the 1% (+2%); the means over three seeds are within it.
     assert target["last50_loss_vs_baseline"] == pytest.approx(0.02)
@@ -324,3 +329,17 @@ def test_snapshot_peak_blocks_are_what_was_alive_at_the_traces_peak(analysis, st
     peak, blocks = analysis.peak_blocks({"device_traces": [trace]}, start=start)
     assert peak == totals[best] and {(a, s) for a, s, _ in blocks} == set(live_after(best).items())
     assert all(frames == [_frame("f.py", s, "g")] for _, s, frames in blocks)
+
+
+@pytest.mark.parametrize("df", [1, 2, 4, 9, 30, 31, 45, 200])
+def test_t_quantile_leaves_five_percent_in_the_two_tails(bench, df):
+    """Student's t density integrated numerically (Simpson's rule) from -t to t: 0.95."""
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def density(x):
+        return math.exp(log_norm - (df + 1) / 2 * math.log1p(x * x / df))
+
+    t, steps = bench.t_975(df), 20000
+    h = 2 * t / steps
+    inside = h / 3 * sum((1 if i in (0, steps) else 4 if i % 2 else 2) * density(-t + i * h) for i in range(steps + 1))
+    assert inside == pytest.approx(0.95, abs=5e-5)
