@@ -567,6 +567,7 @@ def snapshot_configuration(name, corpus, args, device, folder):
     """Record the allocator's history over build + 3 steps; write what is alive after the third, and
     what was alive at the peak of the second and third (the steady steps, past compile)."""
     starts = train_starts(len(corpus.train), 3, args.batch, args.seq, args.seed).to(device)
+    index = device.index or 0  # the snapshot's device_traces are per device
     release_memory(device)
     before = allocated(device)
     existing = [(a, s) for a, s, _ in live_blocks(torch.cuda.memory._snapshot())]
@@ -577,7 +578,7 @@ def snapshot_configuration(name, corpus, args, device, folder):
         setup.step(*batch(corpus.train, rows, args.seq)).item()
         schedule.step()
         if i == 0:
-            steady_from = len(torch.cuda.memory._snapshot()["device_traces"][device.index or 0])
+            steady_from = len(torch.cuda.memory._snapshot()["device_traces"][index])
     gc.collect()
     between = allocated(device) - before
     snapshot = torch.cuda.memory._snapshot()
@@ -586,9 +587,8 @@ def snapshot_configuration(name, corpus, args, device, folder):
     analysis = analyse_snapshot(snapshot, report, python_tensor_storages(device.type), exclude=existing)
     analysis.update(allocated_after_build_bytes=after_build, allocated_between_steps_bytes=between,
                     num_params=sum(p.numel() for p in setup.model.parameters()))
-    trace = snapshot["device_traces"][device.index or 0]
-    if len(trace) < args.snapshot_entries:  # the whole recording: its peak can be replayed
-        _, blocks = peak_blocks(snapshot, start=steady_from, device=device.index or 0)
+    if len(snapshot["device_traces"][index]) < args.snapshot_entries:  # the whole recording: its peak can be replayed
+        _, blocks = peak_blocks(snapshot, start=steady_from, device=index)
         analysis["steady_peak"] = analyse_blocks(blocks)
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"{args.model}_{name}_snapshot"
