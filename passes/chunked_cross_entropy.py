@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from flash_inductor import graph_utils
 from flash_inductor.linear_cross_entropy import REDUCTIONS, linear_cross_entropy
 
-from .fp8_linear import OUT_IN, as_linear, is_transpose
+from .fp8_linear import as_linear, is_transpose, out_in_weight
 
 _DEFAULTS = {"weight": None, "size_average": None, "reduce": None, "label_smoothing": 0.0}
 
@@ -109,8 +109,7 @@ def chunked_cross_entropy_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule,
         features = x.meta["example_value"].shape[-1]
         with gm.graph.inserting_before(node):
             rows = gm.graph.call_method("reshape", (x, -1, features))
-            out_in = weight if layout == OUT_IN else gm.graph.call_method("t", (weight,))
-            loss = gm.graph.call_function(linear_cross_entropy, (rows, out_in, bias, target), {
+            loss = gm.graph.call_function(linear_cross_entropy, (rows, out_in_weight(gm.graph, weight, layout), bias, target), {
                 "ignore_index": ignore_index, "reduction": reduction, "chunk_rows": chunk_rows})
         node.replace_all_uses_with(loss)
         chain, current = [], node.args[0]

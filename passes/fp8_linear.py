@@ -65,6 +65,12 @@ def is_transpose(node):
     )
 
 
+def out_in_weight(graph, weight, layout):
+    """``weight`` as ``(out, in)``, the layout ``F.linear`` takes: itself, or for an ``IN_OUT`` weight a
+    transpose added to ``graph`` at its insertion point (a view: its gradient flows back)."""
+    return weight if layout == OUT_IN else graph.call_method("t", (weight,))
+
+
 def as_linear(node):
     """``(x, weight, bias, layout)`` if ``node`` multiplies by a 2-D right operand, else None:
     ``F.linear``, ``x @ w.T`` / ``matmul(x, w.t())`` (``OUT_IN``), and ``x @ w``, ``matmul``,
@@ -201,9 +207,7 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
         if ctx.options.fp8 == "delayed":
             kwargs.update(_bind_delayed_state(gm, weight, graph_utils.input_name(weight), ctx, bound))
         with gm.graph.inserting_before(node):
-            # An (in, out) weight is used as its (out, in) transpose, a view: its gradient flows back.
-            as_out_in = weight if layout == OUT_IN else gm.graph.call_method("t", (weight,))
-            replacement = gm.graph.call_function(fp8_linear, (x, as_out_in, bias), kwargs)
+            replacement = gm.graph.call_function(fp8_linear, (x, out_in_weight(gm.graph, weight, layout), bias), kwargs)
         node.replace_all_uses_with(replacement)
         transposed = [a for a in node.args if is_transpose(a) and a.args[0] is weight]
         gm.graph.erase_node(node)
