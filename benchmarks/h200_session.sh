@@ -100,6 +100,10 @@
 #   chunkedloss issue 14: the option loss_chunk_rows (the lm_head and its cross-entropy 1024 rows at a time): the
 #              Llama (is_causal, 40 steps, 20 back to back) with FP8 linears and FP8-LM's states, and flashoptim,
 #              each with and without it (peak memory, speed); CONFIGS picks rows, SUFFIX names the files
+#   statefidelity issue 14: the companded states' loss gap: state_fidelity.py on the Llama's baseline run (300 steps,
+#              transformers' mask, seed 0), each candidate format's Adam update against exact fp32 moments fed the same
+#              gradients (CANDIDATES picks formats of state_candidates.py); their effect on training: hfllamaseeds with
+#              RUNS="flashoptim+emulate_NAME:0 ..."
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -456,6 +460,10 @@ case $stage in
     logged hf_clients_llama_chunkedloss${SUFFIX:-}_h200 540 hf_clients.py --model llama --attention is_causal \
       --configs "${CONFIGS:-baseline,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates+chunkedloss,flashoptim,flashoptim+chunkedloss}" \
       --steps 40 --log-every 20 --pipelined 20
+    ;;
+  statefidelity)
+    logged state_fidelity_llama_h200 560 state_fidelity.py --model llama --steps "${FIDELITY_STEPS:-300}" \
+      --measure-every 25 --candidates "${CANDIDATES:-companded,companded_m_only,companded_v_only,fp8lm,root4_v,sr_v,sr}"
     ;;
   multigpu)
     # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else

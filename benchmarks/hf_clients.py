@@ -46,6 +46,9 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
     +chunkedloss        the lm_head and its cross-entropy 1024 rows at a time (loss_chunk_rows=1024): the fp32
                         logits never exist whole (with +regional, whose loss is eager, the Llama's loss calls
                         flash_inductor.linear_cross_entropy on its last hidden state itself)
+    +emulate_NAME       fp32 states (as +fp32states) rounded after every step through the format NAME of
+                        state_candidates.py (e.g. root4_v): a state format's effect on training, measured
+                        before its kernels exist
 e.g. ``flashoptim_fp8+fp32act+cudagraphs``. The baseline takes two:
     +foreach            torch AdamW's foreach implementation instead of the fused one: the same arithmetic
                         rounded in another order, so the loss moves only by how training amplifies rounding
@@ -109,6 +112,8 @@ import flash_inductor
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from gpu_profile import step_profile  # noqa: E402
 from snapshot_analysis import analyse_blocks, analyse_snapshot, format_analysis, live_blocks, peak_blocks, python_tensor_storages  # noqa: E402
+from state_candidates import CANDIDATES as STATE_CANDIDATES  # noqa: E402
+from state_candidates import rounding_after  # noqa: E402
 from train_gpt import (  # noqa: E402
     GPT,
     Setup,
@@ -381,6 +386,8 @@ MODIFIERS = {
     "nocse": dict(disable=("fp8_transpose_cse",)),
     "buckets": dict(bucket_numel=1 << 26),
     "chunkedloss": dict(loss_chunk_rows=1024),
+    # fp32 states rounded after every step through a format of state_candidates.py: its effect on training
+    **{f"emulate_{name}": dict(state_bits=None, emulate_states=name) for name in STATE_CANDIDATES},
 }
 BASELINE_MODIFIERS = {"foreach": dict(fused=False), "checkpoint": dict(activation_checkpointing=True)}
 
@@ -406,10 +413,13 @@ def parse_configuration(name):
 def build(name, args, device):
     """The configuration's Setup, its clip norm and its LR schedule, from the same initial weights."""
     builder, options = parse_configuration(name)
+    emulated_states = options.pop("emulate_states", None)
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = build_model(args.model, args.config)
     setup, clip = builder(model, args, **options)
+    if emulated_states:
+        setup.step = rounding_after(setup.step, setup.optimizer, emulated_states)
     schedule = torch.optim.lr_scheduler.LambdaLR(setup.optimizer, lambda s: lr_factor(s, args.lr_warmup, args.steps))
     return setup, clip, schedule
 
