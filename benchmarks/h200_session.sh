@@ -100,6 +100,8 @@
 #   chunkedloss issue 14: the option loss_chunk_rows (the lm_head and its cross-entropy 1024 rows at a time): the
 #              Llama (is_causal, 40 steps, 20 back to back) with FP8 linears and FP8-LM's states, and flashoptim,
 #              each with and without it (peak memory, speed); CONFIGS picks rows, SUFFIX names the files
+#   bf16scales issue 14: the companded states' bf16 group scales run by their kernels: the GPU tests and the step
+#              alone on the 1.2B GPT's tensors; their loss: hfllamaseeds with RUNS="flashoptim:0 ..."
 #   statefidelity issue 14: the companded states' loss gap: state_fidelity.py on the Llama's baseline run (300 steps,
 #              transformers' mask, seed 0), each candidate format's Adam update against exact fp32 moments fed the same
 #              gradients (CANDIDATES picks formats of state_candidates.py); their effect on training: hfllamaseeds with
@@ -460,6 +462,14 @@ case $stage in
     logged hf_clients_llama_chunkedloss${SUFFIX:-}_h200 540 hf_clients.py --model llama --attention is_causal \
       --configs "${CONFIGS:-baseline,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates,flashoptim_fp8+fastaccum+cudagraphs+fp8lmstates+chunkedloss,flashoptim,flashoptim+chunkedloss}" \
       --steps 40 --log-every 20 --pipelined 20
+    ;;
+  bf16scales)
+    # the companded states' bf16 group scales (issue 14) with the kernels themselves: every GPU test of the
+    # companded and FP8-LM steps, then the step alone on the 1.2B GPT's tensors
+    timeout 330 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8lm_states.py tests/test_gradient_release.py \
+      2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_bf16scales_h200.log"
+    tail -6 "$out/gpu_tests_bf16scales_h200.log"
+    logged optimizer_step_bf16scales_h200 200 optimizer_step.py --lists gpt_1b --configs torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_fp8lmstates,flashoptim_pypi
     ;;
   statefidelity)
     logged state_fidelity_llama_h200 560 state_fidelity.py --model llama --steps "${FIDELITY_STEPS:-300}" \

@@ -6,16 +6,22 @@ after every step: the format's effect on training, without writing its kernels).
 takes fp32 rows ``[groups, 32]`` holding whole tensors, each a run of rows from ``starts`` (the
 per-tensor formats need those), and returns fp32 rows.
 
-    companded          the package's default (formats/companded.py): softsign m, sqrt-linear v
+    companded          the package's default (formats/companded.py): softsign m, sqrt-linear v, bf16 scales
     companded_m_only   its first moment only (v exact)
     companded_v_only   its second moment only (m exact)
     fp8lm              FP8-LM's states (formats/tensor_scaled.py): e4m3 m, fp16 v, one scale per tensor
-    root4_v            companded m; v with codes linear in v ** (1/4) (same fp16 group scales, floor, bytes)
+    root4_v            companded m; v with codes linear in v ** (1/4) (fp16 group scales, floor, same bytes)
     sr_v               companded m; the package's codes of v, rounded stochastically (floor kept)
     sr                 both moments' package codes rounded stochastically
     e4m3_m             m as float8_e4m3fn codes against the same fp16 group scales; companded v
     e4m3_m_root4_v     the same m; root4_v's v
-    bf16_scales        the package's codes of both moments against bf16 group scales (fp16's underflow gone)
+    fp16_scales        the package's codes against fp16 group scales: DESIGN §2.2's and FlashOptim's scales,
+                       the package's before issue 14's measurements
+    bf16_scales        the same against bf16 group scales rounded to nearest, as measured; the package's
+                       format since rounds them toward zero (so that decode then encode keeps every bit):
+                       within a code step and the scale's rounding of this (tests/test_state_candidates.py)
+
+The proposals (root4_v, sr_v, sr, e4m3_m, e4m3_m_root4_v) keep fp16 group scales, as measured.
 """
 
 import torch
@@ -51,11 +57,33 @@ def fp8lm_second(rows, starts):
     return tensor_scaled.decode(codes, scales, starts)
 
 
+def _group_scales(values, dtype):
+    """Each group's scale, ``dtype(clamp(absmax, 1e-12))`` as fp32 (fp16: also at most 65504, DESIGN's)."""
+    absmax = values.abs().amax(dim=1, keepdim=True).clamp(min=companded.SCALE_FLOOR)
+    return (absmax.clamp(max=65504.0) if dtype == torch.float16 else absmax).to(dtype).float()
+
+
+def _scaled(rows, kind, dtype):
+    """The package's codes of ``kind`` against group scales rounded to ``dtype``: fp16 as DESIGN §2.2
+    and FlashOptim have them (the package's until issue 14's measurements: they round to zero below
+    2**-25 and keep a few bits below 2**-14, where Adam, being scale-invariant, still moves
+    tiny-gradient weights by full steps), or bf16 (the same bytes, fp32's exponent range)."""
+    values = companded._coded_values(rows, kind)
+    scale = _group_scales(values, dtype)
+    return companded.decode(companded._codes(values, scale, kind), scale, rows.shape, kind)
+
+
 def _sqrt_groups(rows):
-    """sqrt(v) per element and its group's fp16 scale as fp32 (the package's, ``companded._scales``)."""
+    """sqrt(v) per element, its group's fp16 scale as fp32, and their ratio: the proposals below were
+    measured against fp16 group scales, before the package's became bf16."""
     s = rows.clamp(min=0).sqrt()
-    _, scale = companded._scales(s)
+    scale = _group_scales(s, torch.float16)
     return s, scale, torch.where(scale > 0, s / scale, torch.zeros_like(s))
+
+
+def _over_fp16_scale(rows):
+    scale = _group_scales(rows, torch.float16)
+    return scale, torch.where(scale > 0, rows / scale, torch.zeros_like(rows))
 
 
 def root4_sqrt(rows, starts):
@@ -73,8 +101,7 @@ def stochastic_sqrt(rows, starts):
 
 
 def stochastic_signed(rows, starts):
-    _, scale = companded._scales(rows)
-    u = torch.where(scale > 0, rows / scale, torch.zeros_like(rows))
+    scale, u = _over_fp16_scale(rows)
     y = torch.floor(127 * (2 * u / (1 + u.abs())) + torch.rand_like(u)).clamp(-127, 127) / 127
     return y / (2 - y.abs()) * scale
 
@@ -83,27 +110,8 @@ def e4m3_signed(rows, starts):
     """float8_e4m3fn codes of m against its group's fp16 scale (absmax maps to 448): relative steps of
     at most 12.5% down to 2**-9 / 448 of the group's largest, where softsign codes give a few codes
     or none below 1/250 of it."""
-    _, scale = companded._scales(rows)
-    u = torch.where(scale > 0, rows / scale, torch.zeros_like(rows))
+    scale, u = _over_fp16_scale(rows)
     return (u * 448).clamp(-448, 448).to(torch.float8_e4m3fn).float() / 448 * scale
-
-
-def _bf16_scaled(rows, kind):
-    """The package's codes of ``kind``, against group scales rounded to bf16 instead of fp16: the
-    same two bytes, fp32's exponent range (fp16 scales round to zero below 2**-25 and keep few bits
-    below 2**-14, where Adam, being scale-invariant, still moves tiny-gradient weights fully)."""
-    values = companded._coded_values(rows, kind)
-    scale = values.abs().amax(dim=1, keepdim=True).clamp(min=companded.SCALE_FLOOR).to(torch.bfloat16)
-    codes = companded._codes(values, scale.float(), kind)
-    return companded.decode(codes, scale, rows.shape, kind)
-
-
-def bf16_scaled_signed(rows, starts):
-    return _bf16_scaled(rows, companded.SIGNED)
-
-
-def bf16_scaled_sqrt(rows, starts):
-    return _bf16_scaled(rows, companded.SQRT)
 
 
 # name -> (first moment's store, second moment's store)
@@ -117,7 +125,10 @@ CANDIDATES = {
     "sr": (stochastic_signed, stochastic_sqrt),
     "e4m3_m": (e4m3_signed, companded_sqrt),
     "e4m3_m_root4_v": (e4m3_signed, root4_sqrt),
-    "bf16_scales": (bf16_scaled_signed, bf16_scaled_sqrt),
+    "fp16_scales": (lambda rows, starts: _scaled(rows, companded.SIGNED, torch.float16),
+                    lambda rows, starts: _scaled(rows, companded.SQRT, torch.float16)),
+    "bf16_scales": (lambda rows, starts: _scaled(rows, companded.SIGNED, torch.bfloat16),
+                    lambda rows, starts: _scaled(rows, companded.SQRT, torch.bfloat16)),
 }
 
 

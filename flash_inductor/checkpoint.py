@@ -2,10 +2,12 @@
 
 ``optimizer.state_dict()`` holds, by default, fp32 decoded states under torch's own keys (a stock
 ``torch.optim`` optimizer of the same class loads it) plus each parameter's error term under
-``"error_term"`` and, for its 8-bit states, their fp16 group scales under ``"group_scales"``
+``"error_term"`` and, for its 8-bit states, their bf16 group scales under ``"group_scales"``
 (``{state key: scales}``, 1/64 of the decoded bytes): with them the decoded values load back to
 the very codes and scales they came from (``companded.encode_with_saved_scales``), where encoding
-decoded values afresh moves the codes of a group that lacks its top code. FP8-LM states
+decoded values afresh moves the codes of a group that lacks its top code. The fp16 group scales of
+a checkpoint saved before the scales were bf16 load too (converted to bf16; a group they do not
+reproduce is encoded afresh, within a code step). FP8-LM states
 (``state_format="fp8lm"``) need no saved scale: their decoded values encode back to the same codes
 and scale (formats/tensor_scaled.py); they ignore ``"group_scales"``, so decoded values load across
 formats (re-encoded). Both forms reload bit-exactly. With

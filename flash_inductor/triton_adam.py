@@ -8,7 +8,7 @@ Inductor's persistent reductions over the two state scales keep more values live
 
 The math is the stock capturable Adam(W) update on the decoded fp32 values, with the storage formats
 of ``formats/split_weights.py`` (the step's plain pair, int8 error terms) and
-``formats/companded.py`` (signed and sqrt codes, fp16 group scales, one reciprocal per group),
+``formats/companded.py`` (signed and sqrt codes, bf16 group scales, one reciprocal per group),
 written once more in Triton; ``tests/test_gpu.py`` holds it to the fp64 reference and to the
 Inductor step. Groups whose parameter has no gradient (``bucket.active``) are not written.
 FP8-LM's states (``formats/tensor_scaled.py``: one scale per tensor) take two kernels
@@ -26,7 +26,7 @@ import re
 import torch
 
 from flash_inductor import _compat
-from flash_inductor.formats import split_weights, tensor_scaled
+from flash_inductor.formats import companded, split_weights, tensor_scaled
 from flash_inductor.formats.state_tensor import CompandedState, TensorScaledState
 
 
@@ -117,6 +117,11 @@ if _compat.HAS_TRITON:
     from triton.language.extra import libdevice
 
     _INTERPRETED = tl.constexpr(INTERPRETED)  # no libdevice, and numpy has no fused multiply-add
+    # the largest group scales (formats/companded.py)
+    _SIGNED_SCALE_MAX = tl.constexpr(companded.SCALE_MAX[companded.SIGNED])
+    _SQRT_SCALE_MAX = tl.constexpr(companded.SCALE_MAX[companded.SQRT])
+    _SCALE_SLACK = tl.constexpr(companded.SCALE_SLACK)
+    _SCALE_FLOOR = tl.constexpr(companded.SCALE_FLOOR)
 
     @triton.jit
     def _pow2(k):
@@ -227,24 +232,27 @@ if _compat.HAS_TRITON:
         return tl.max(tl.max(tl.abs(values).to(tl.int32, bitcast=True), axis=2), axis=1)
 
     @triton.jit
-    def _group_scale(x, FACTOR: tl.constexpr, APPROX: tl.constexpr):
-        """fp16 scales of the groups of ``x`` (``[block, 32 // vector, vector]``) and ``FACTOR`` over
-        their fp32 values: absmax clamped to [1e-12, 65504], nan for a group holding inf or nan
+    def _group_scale(x, FACTOR: tl.constexpr, SCALE_MAX: tl.constexpr, APPROX: tl.constexpr):
+        """bf16 scales of the groups of ``x`` (``[block, 32 // vector, vector]``) and ``FACTOR`` over
+        their fp32 values: absmax times 1 + SCALE_SLACK, clamped to [SCALE_FLOOR, SCALE_MAX] and rounded
+        toward zero, nan for a group holding inf or nan
         (formats/companded.py), in one reduction. APPROX: the same scales from the max of the int32
         views of ``|x|`` (ordered as ``|x|``, nan above inf), where the exact kernel compares and
         selects before each max."""
         if APPROX:
             bits = _row_max_bits(x)
             absmax = bits.to(tl.float32, bitcast=True)
-            scale16 = tl.where(bits < 0x7F800000, tl.minimum(tl.maximum(absmax, 1e-12), 65504.0), float("nan"))
+            finite = bits < 0x7F800000
         else:
             magnitude = tl.abs(x)
             absmax = tl.max(tl.max(tl.where(magnitude == magnitude, magnitude, float("inf")), axis=2), axis=1)
-            scale16 = tl.where(absmax == float("inf"), float("nan"), tl.minimum(tl.maximum(absmax, 1e-12), 65504.0))
-        scale16 = scale16.to(tl.float16)
-        scale = scale16.to(tl.float32)
-        inverse = tl.where(scale > 0, FACTOR / scale, 0.0)  # 0 where fp16 underflowed or the group is nan
-        return scale16, inverse[:, None, None]
+            finite = absmax != float("inf")
+        scale32 = tl.where(finite, tl.minimum(tl.maximum(absmax * (1 + _SCALE_SLACK), _SCALE_FLOOR), SCALE_MAX), float("nan"))
+        # toward zero, as formats/companded.py: the low 16 bits cleared, then an exact cast (nan stays nan)
+        scale_bf16 = (scale32.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
+        scale = scale_bf16.to(tl.float32)
+        inverse = tl.where(scale > 0, FACTOR / scale, 0.0)  # 0 where the group is nan
+        return scale_bf16, inverse[:, None, None]
 
     @triton.jit
     def _decoded_first_moment(codes, scale, APPROX: tl.constexpr):
@@ -268,34 +276,34 @@ if _compat.HAS_TRITON:
 
     @triton.jit
     def _first_moment_codes(m, APPROX: tl.constexpr):
-        """formats/companded.py's signed encode of ``m``: the group scales (fp16) and codes
+        """formats/companded.py's signed encode of ``m``: the group scales (bf16) and codes
         ``floor(127 * 2u / (1 + |u|) + 0.5)`` of ``u = m / scale``, within [-127, 127]. APPROX: ``254 u``
         from the group's reciprocal times 254, and ``254 u / (1 + |u|)`` rounded by ``_rounded_bits``."""
         if APPROX:
-            scale16, inverse = _group_scale(m, 254.0, APPROX)
-            u = tl.clamp(m * inverse, -254.0, 254.0)  # |m| may pass its fp16-rounded (or clamped) scale
-            return scale16, _rounded_bits(u * _divide(1.0, 1 + tl.abs(u) * (1.0 / 254), APPROX)).to(tl.int8)
+            scale_bf16, inverse = _group_scale(m, 254.0, _SIGNED_SCALE_MAX, APPROX)
+            u = tl.clamp(m * inverse, -254.0, 254.0)  # |m| may pass its bf16-rounded (or clamped) scale
+            return scale_bf16, _rounded_bits(u * _divide(1.0, 1 + tl.abs(u) * (1.0 / 254), APPROX)).to(tl.int8)
         else:
-            scale16, inverse = _group_scale(m, 1.0, APPROX)
+            scale_bf16, inverse = _group_scale(m, 1.0, _SIGNED_SCALE_MAX, APPROX)
             u = m * inverse
             q = tl.floor(127 * (2 * u / (1 + tl.abs(u))) + 0.5)
-            return scale16, tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+            return scale_bf16, tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
 
     @triton.jit
     def _root_codes(root, APPROX: tl.constexpr):
-        """formats/companded.py's sqrt encode of ``root = sqrt(v)``: the group scales (fp16) and codes
+        """formats/companded.py's sqrt encode of ``root = sqrt(v)``: the group scales (bf16) and codes
         ``floor(255 u + 0.5)`` of ``u = root / scale``, at least 1 where ``u > 0`` (docs/numerics.md,
         "Second-moment floor"). APPROX: ``255 u`` from the group's reciprocal times 255, rounded by
         ``_rounded_bits``."""
         if APPROX:
-            scale16, inverse = _group_scale(root, 255.0, APPROX)
+            scale_bf16, inverse = _group_scale(root, 255.0, _SQRT_SCALE_MAX, APPROX)
             u = root * inverse
-            return scale16, _rounded_bits(tl.where(u > 0, tl.minimum(tl.maximum(u, 1.0), 255.0), 0.0)).to(tl.uint8)
+            return scale_bf16, _rounded_bits(tl.where(u > 0, tl.minimum(tl.maximum(u, 1.0), 255.0), 0.0)).to(tl.uint8)
         else:
-            scale16, inverse = _group_scale(root, 1.0, APPROX)
+            scale_bf16, inverse = _group_scale(root, 1.0, _SQRT_SCALE_MAX, APPROX)
             u = root * inverse
             q = tl.where(u > 0, tl.minimum(tl.maximum(tl.floor(255 * u + 0.5), 1.0), 255.0), 0.0)  # code 1 at least
-            return scale16, q.to(tl.uint8)
+            return scale_bf16, q.to(tl.uint8)
 
     @triton.jit
     def _load(pointer, mask, other, EVICT: tl.constexpr):
@@ -420,12 +428,12 @@ if _compat.HAS_TRITON:
         _store_update(x, m, root, step_size, inverse_root_correction2, eps, lr, weights, errors, at, mask, HAS_ERRORS,
                       MANTISSA, BIAS, CODE_SCALE, EVICT, APPROX)
 
-        m_scale16, m_code = _first_moment_codes(m, APPROX)
+        m_scale_bf16, m_code = _first_moment_codes(m, APPROX)
         _store(m_codes + at, m_code, mask, EVICT)
-        _store(m_scales + rows, m_scale16, ok, EVICT)
-        v_scale16, v_code = _root_codes(root, APPROX)
+        _store(m_scales + rows, m_scale_bf16, ok, EVICT)
+        v_scale_bf16, v_code = _root_codes(root, APPROX)
         _store(v_codes + at, v_code, mask, EVICT)
-        _store(v_scales + rows, v_scale16, ok, EVICT)
+        _store(v_scales + rows, v_scale_bf16, ok, EVICT)
 
     @triton.jit
     def _adam_kernel(

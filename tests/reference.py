@@ -14,6 +14,7 @@ INF = float("inf")
 # (mantissa bits, exponent of the smallest normal, largest finite value)
 BF16 = (7, -126, (2 - 2.0**-7) * 2.0**127)
 FP16 = (10, -14, 65504.0)
+FP32 = (23, -126, (2 - 2.0**-23) * 2.0**127)
 E4M3 = (3, -6, 448.0)  # float8_e4m3fn (no inf; 448 is its largest finite value)
 E5M2 = (2, -14, 57344.0)  # float8_e5m2
 GROUP = 32
@@ -31,6 +32,15 @@ def ref_round(v, fmt):
     r = torch.round(vf * torch.exp2(-quantum)) * torch.exp2(quantum)
     r = torch.where(r.abs() > fmax, torch.copysign(torch.full_like(r, INF), vf), r)
     return torch.where(finite, r, v)
+
+
+def ref_round_toward_zero(v, fmt):
+    """Round finite float64 ``v`` to the format ``fmt`` toward zero (the package's group scales)."""
+    mant, emin, _ = fmt
+    v = v.double()
+    _, e = torch.frexp(v)
+    quantum = (torch.clamp(e - 1, min=emin) - mant).double()
+    return torch.trunc(v * torch.exp2(-quantum)) * torch.exp2(quantum)
 
 
 def ulp_log2(v64, fmt):
@@ -58,13 +68,16 @@ def ref_split_encode(x64, n):
 
 
 def ref_state_encode(x64, kind):
-    """DESIGN §2.2 encode in float64: (codes int64, fp16 scales as float64). Second moments: a positive
-    sqrt(v) gets code 1 at least (docs/numerics.md, "Second-moment floor"; the paper rounds it to 0)."""
+    """DESIGN §2.2 encode in float64: (codes int64, bf16 scales as float64). Second moments: a positive
+    sqrt(v) gets code 1 at least (docs/numerics.md, "Second-moment floor"; the paper rounds it to 0).
+    The scales are bf16, rounded toward zero after a slack of 2**-12, where DESIGN says fp16
+    (docs/numerics.md, "bf16 group scales")."""
     flat = x64.double().reshape(-1)
     groups = torch.cat([flat, flat.new_zeros((-flat.numel()) % GROUP)]).view(-1, GROUP)
     if kind == "sqrt":
         groups = groups.clamp(min=0).sqrt()
-    scale = ref_round(groups.abs().amax(dim=1).clamp(1e-12, FP16[2]), FP16)
+    absmax = ref_round(groups.abs().amax(dim=1) * (1 + 2.0**-12), FP32)  # the slack, one fp32 rounding
+    scale = ref_round_toward_zero(absmax.clamp(torch.tensor(1e-12).item(), BF16[2]), BF16)
     live = (scale > 0)[:, None]
     u = torch.where(live, groups / torch.where(live, scale[:, None], 1.0), 0.0)
     if kind == "signed":
@@ -223,7 +236,9 @@ def ref_one_step(algo, h, p, g, states, step):
         p = p * (1 - lr * wd)
         a, b = b1 * states["exp_avg"], (1 - b1) * g
         c = a + b
-        ambiguous = (c.abs() <= 2.0**-20 * (a.abs() + b.abs())) & (c != 0)
+        # fp32 cannot decide the sign where the sum cancels to within its rounding, exact
+        # cancellation (c == 0 from nonzero terms) included
+        ambiguous = (c.abs() <= 2.0**-20 * (a.abs() + b.abs())) & ((a != 0) | (b != 0))
         p = p - lr * torch.sign(c)
         size = size + lr
         new["exp_avg"] = b2 * states["exp_avg"] + (1 - b2) * g

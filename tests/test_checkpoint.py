@@ -137,6 +137,18 @@ def assert_same_bits(a, b):
     assert not bad, f"differ: {bad}"
 
 
+def assert_within_one_code_step(got, saved, kind):
+    """fp32 ``got`` (a multiple of 32 elements) is within one code step of ``saved`` in every group
+    of 32 (DESIGN §2.2), or within the bf16 scale's rounding toward zero where values saturate at
+    the top code (2**-7 of the group's largest): signed, the softsign's steepest step, 2/127 of the
+    group's absmax; second moments, 1/255 of the group's largest sqrt(v), in sqrt(v), or 2**-7."""
+    got, saved = got.double().reshape(-1, GROUP), saved.double().reshape(-1, GROUP)
+    if kind == "signed":
+        assert ((got - saved).abs() <= 2 / 127 * saved.abs().amax(1, keepdim=True)).all()
+    else:
+        assert ((got.sqrt() - saved.sqrt()).abs() <= saved.sqrt().amax(1, keepdim=True) * 2.0**-7).all()
+
+
 def decoded_states(model, opt, name):
     """{(param name, key): fp32 value} of every state, checked against the reference decode of its
     codes and scales."""
@@ -174,11 +186,11 @@ def test_default_state_dict_is_a_stock_torch_state_dict(name):
             keys.add("error_term")
             assert entries["error_term"].dtype == torch.int8
             assert torch.equal(entries["error_term"], record.error_term(p))
-        if p.numel() >= 4096:  # 8-bit states: their fp16 group scales too
+        if p.numel() >= 4096:  # 8-bit states: their bf16 group scales too
             keys.add("group_scales")
             assert entries["group_scales"].keys() == STATE_KEYS[name].keys()
             for key, scales in entries["group_scales"].items():
-                assert scales.dtype == torch.float16 and torch.equal(scales, opt.state[p][key].scales)
+                assert scales.dtype == torch.bfloat16 and torch.equal(scales, opt.state[p][key].scales)
         assert set(entries) == keys, names[index]
         for key in STATE_KEYS[name]:
             value = entries[key]
@@ -245,15 +257,32 @@ def test_default_state_dict_round_trips_into_a_fresh_optimizer(name):
     assert isinstance(opt2.param_groups[0]["lr"], torch.Tensor)
 
 
+def without_group_scales(sd):
+    """A copy of optimizer state dict ``sd`` without its "group_scales" entries."""
+    sd = copy.deepcopy(sd)
+    for entries in sd["state"].values():
+        entries.pop("group_scales", None)
+    return sd
+
+
 def test_decoded_state_dict_gives_back_the_codes_of_groups_without_their_top_code():
-    """Tiny second moments have subnormal fp16 scales, and groups whose largest value decodes
-    below the scale (no top code 255). Encoding their decoded values afresh picks another scale
-    and moves every code of the group (Trainer resumes differed from step 4 on); the saved group
-    scales give back the very codes."""
+    """Encode gives every group its top code (docs/numerics.md, "bf16 group scales"), so a decoded
+    ``state_dict`` loads back bit for bit even without its group scales. A group without its top
+    code (codes from elsewhere: an older checkpoint's, written by hand here) decodes its largest
+    value below the scale; encoding its decoded values afresh picks another, smaller scale and moves
+    every code of the group (Trainer resumes differed from step 4 on when fp16 scales made such
+    groups); the saved group scales give back the very codes. fc1.weight's tiny second moments
+    are made such groups, all of them; fc2.weight's are as the steps left them."""
     model, opt = make("AdamW")
     run(model, opt, [[g * 1e-4 for g in step] for step in grad_list(model, 3)])
+    fresh = make("AdamW", seed=1)
+    fresh[0].load_state_dict(model.state_dict())
+    fresh[1].load_state_dict(without_group_scales(roundtrip(opt.state_dict())))
+    assert_same_bits(stored_bits(*fresh), stored_bits(model, opt))
+
     state = opt.state[model.fc1.weight]["exp_avg_sq"]
-    assert (state.codes.amax(dim=1) < 255).any() and (state.scales < 2.0**-14).all()  # the case
+    state.codes.clamp_(max=254)
+    assert (state.codes.amax(dim=1) == 254).all()  # the case
     want = stored_bits(model, opt)
     sd = roundtrip(opt.state_dict())
 
@@ -261,20 +290,55 @@ def test_decoded_state_dict_gives_back_the_codes_of_groups_without_their_top_cod
     model2.load_state_dict(model.state_dict())
     opt2.load_state_dict(sd)
     assert_same_bits(stored_bits(model2, opt2), want)
+    # Without them, every group of fc1.weight's second moments would load with another scale.
+    model3, opt3 = make("AdamW", seed=1)
+    opt3.load_state_dict(without_group_scales(sd))
+    assert (opt3.state[model3.fc1.weight]["exp_avg_sq"].scales != state.scales).all()
 
     # Values the saved scales do not reproduce (a stock optimizer stepped after loading the dict)
     # are encoded afresh, as without the scales.
     for entries in sd["state"].values():
         if "exp_avg_sq" in entries:
             entries["exp_avg_sq"] = entries["exp_avg_sq"] * 3
-    without = copy.deepcopy(sd)
-    for entries in without["state"].values():
-        entries.pop("group_scales", None)
     model3, opt3 = make("AdamW", seed=1)
     model4, opt4 = make("AdamW", seed=1)
     opt3.load_state_dict(sd)
-    opt4.load_state_dict(without)
+    opt4.load_state_dict(without_group_scales(sd))
     assert_same_bits(stored_bits(model3, opt3), stored_bits(model4, opt4))
+
+
+def test_fp16_group_scales_of_an_older_checkpoint_load():
+    """Checkpoints saved before the group scales were bf16 hold fp16 ones. They load: a group whose
+    scale, converted to bf16, reproduces its decoded values gets back their codes (fc2.weight's
+    states: fp16 holds their bf16 scales exactly); the others (fc1.weight's tiny states, whose
+    scales lose bits as fp16 subnormals) are encoded afresh, within one code step of the saved
+    values. The next step runs."""
+    model, opt = make("AdamW")
+    grads = grad_list(model, 4)
+    run(model, opt, [[g * 1e-6 if i == 0 else g for i, g in enumerate(step)] for step in grads[:3]])
+    want = stored_bits(model, opt)
+    sd = roundtrip(opt.state_dict())
+    for index, param in ((0, "fc1.weight"), (4, "fc2.weight")):
+        for key, scales in sd["state"][index]["group_scales"].items():
+            fp16 = scales.to(torch.float16)
+            # the case: fc1.weight's scales change through fp16, fc2.weight's do not
+            assert (fp16.to(torch.bfloat16) != scales).any() == (param == "fc1.weight"), (param, key)
+            sd["state"][index]["group_scales"][key] = fp16
+
+    model2, opt2 = make("AdamW", seed=1)
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(sd)
+    got = stored_bits(model2, opt2)
+    assert got.keys() == want.keys()
+    for k in want:
+        if not k.startswith("fc1.weight.exp_avg"):
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    for key, kind in STATE_KEYS["AdamW"].items():
+        state = opt2.state[model2.fc1.weight][key]
+        assert state.scales.dtype == torch.bfloat16
+        assert_within_one_code_step(state.decode(), sd["state"][0][key], kind)
+    run(model2, opt2, grads[3:])
+    assert all(torch.isfinite(p).all() for p in model2.parameters())
 
 
 def test_group_scales_of_another_size_are_refused_and_nothing_changes():
@@ -283,7 +347,7 @@ def test_group_scales_of_another_size_are_refused_and_nothing_changes():
     sd = roundtrip(opt.state_dict())
     sd["state"][0]["group_scales"]["exp_avg"] = sd["state"][0]["group_scales"]["exp_avg"][:-1]
     before = stored_bits(model, opt)
-    refusal = r"saved \"group_scales\['exp_avg'\]\" of parameter 'fc1\.weight' is \[255\] torch\.float16, not 256"
+    refusal = r"saved \"group_scales\['exp_avg'\]\" of parameter 'fc1\.weight' is \[255\] torch\.bfloat16, not 256"
     with pytest.raises(ValueError, match=refusal):
         opt.load_state_dict(sd)
     assert_same_bits(stored_bits(model, opt), before)
@@ -309,7 +373,7 @@ def test_compressed_state_dict(name):
                 assert set(entry) == {"codes", "scales", "kind"} and entry["kind"] == kind
                 assert entry["codes"].dtype == (torch.int8 if kind == "signed" else torch.uint8)
                 assert entry["codes"].numel() == groups * GROUP
-                assert entry["scales"].dtype == torch.float16 and entry["scales"].numel() == groups
+                assert entry["scales"].dtype == torch.bfloat16 and entry["scales"].numel() == groups
                 state = opt.state[p][key]
                 assert torch.equal(entry["codes"], state.codes) and torch.equal(entry["scales"], state.scales)
             else:
@@ -449,15 +513,7 @@ def test_stock_fp32_state_dict_after_steps_is_encoded():
             if p.numel() >= 4096:
                 assert isinstance(value, CompandedState)
                 got = ref_decode_state(value.codes, value.scales, p.shape, kind).float()
-                # one code step of the companders at most (DESIGN §2.2)
-                scale = saved.abs().reshape(-1, GROUP).amax(1, keepdim=True)
-                if kind == "signed":
-                    tol = (2 / 127 * scale).expand(-1, GROUP).reshape(p.shape)
-                    assert ((got - saved).abs() <= tol).all()
-                else:
-                    s = saved.sqrt().reshape(-1, GROUP)
-                    tol = (s.amax(1, keepdim=True) / 255).expand(-1, GROUP).reshape(p.shape)
-                    assert ((got.sqrt() - saved.sqrt()).abs() <= tol).all()
+                assert_within_one_code_step(got, saved, kind)
             else:
                 assert isinstance(value, Fp32State) and torch.equal(value.values, saved)
         assert float(opt.state[p]["step"]) == 2.0
@@ -547,8 +603,8 @@ def test_refused_load_leaves_the_optimizer_as_it_was(corruption):
 
 
 def nan_as_bits(tensors):
-    """fp16 tensors as their bits, so that nan equals nan."""
-    return {k: v.view(torch.int16) if v.dtype == torch.float16 else v for k, v in tensors.items()}
+    """16-bit float tensors (the bf16 scales) as their bits, so that nan equals nan."""
+    return {k: v.view(torch.int16) if v.dtype in (torch.float16, torch.bfloat16) else v for k, v in tensors.items()}
 
 
 def test_compressed_load_accepts_the_nan_scale_of_a_non_finite_group():

@@ -9,8 +9,10 @@ the fp32 value of that interval nearest the code's centre (``witnesses``). Also:
 half a code step of the value encoded (fp64 reference of DESIGN §2.1 and its one deviation), and a
 prepared model's masters reload without a bit changing.
 
-Companded states: decode then encode gives back every code and every finite fp16 scale, when the
-group holds the top code (so that its absmax is the scale).
+Companded states: decode then encode gives back every code and every bf16 scale encode stores for
+finite values (from bf16(1e-12) toward zero, the floor where all-zero groups go, up to bf16's largest finite
+value, or for second moments the largest bf16 whose square is finite), when the group holds the top code
+(so that its absmax is the scale); groups without it come back with the scales saved with them.
 
 The float64 references come from tests/test_formats.py (written from DESIGN.md, no module helper).
 """
@@ -409,18 +411,47 @@ def groups_with_every_code(kind):
     return torch.cat([tops[:, None], body], 1)
 
 
-@pytest.mark.parametrize("kind", [cp.SIGNED, cp.SQRT])
-def test_companded_every_code_every_fp16_scale_round_trips(kind):
-    """For every finite positive fp16 scale (and 0) and every code: decode, then encode, gives back
-    the same scale and codes, bit for bit; decode is within fp32 rounding of the fp64 reference.
-    Identity holds everywhere, subnormal scales included: a decoded value is an fp32 normal (down to
-    2**-24 / 253) computed to a few 2**-24 relative, far inside half a code step."""
-    scales = torch.arange(0, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16)  # 0 .. 65504
+def bf16_range(lo_bits, hi_bits):
+    """The bf16 values of the bit patterns ``lo_bits`` .. ``hi_bits``, both included."""
+    return torch.arange(lo_bits, hi_bits + 1, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+# The scale of an all-zero group: fp32(1e-12) rounded to bf16 toward zero (its low 16 bits cleared).
+FLOOR_SCALE = (torch.tensor([1e-12]).view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)[0]
+
+
+def scale_bits(kind):
+    """Bit patterns of the smallest and largest bf16 scale encode stores for finite values of
+    ``kind`` (from the spec: ``bf16(max(absmax, 1e-12))`` toward zero, absmax in fp32 and clamped to
+    the largest scale whose top code decodes finite): ``FLOOR_SCALE``, and the largest scale:
+    bf16's largest finite value (signed), or the largest bf16 whose fp32 square is finite (second
+    moments decode ``(code / 255 * scale) ** 2``). Checked against encode."""
+    f32max = torch.tensor(torch.finfo(torch.float32).max)
+    floor = FLOOR_SCALE
+    lo = int(bits(floor))
+    if kind == cp.SIGNED:
+        hi = int(bits(torch.tensor(torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)))
+    else:
+        hi = int(bits(f32max.sqrt().to(torch.bfloat16)))
+        while not torch.isfinite(bf16_range(hi, hi).float() ** 2).all():
+            hi -= 1
+    for value, want in [(0.0, lo), (f32max, hi)]:
+        assert bits(cp.encode(torch.full((32,), value), kind)[1]).tolist() == [want]
+    return lo, hi
+
+
+def assert_every_code_round_trips(kind, scales):
+    """The checks of ``test_companded_every_code_every_bf16_scale_round_trips`` for bf16 ``scales``
+    (the smallest one, if it is the floor, also gets an all-zero group)."""
     codes = groups_with_every_code(kind).repeat(scales.numel(), 1)
-    codes[:9] = 0  # a zero scale stores zero codes
     group_scales = scales.repeat_interleave(9)
+    floor = FLOOR_SCALE
+    if same_bits(scales[:1], floor.view(1)):
+        codes = torch.cat([torch.zeros_like(codes[:1]), codes])
+        group_scales = torch.cat([floor.view(1), group_scales])
     codes = codes.to(cp.CODE_DTYPES[kind]).view(-1)
     x = cp.decode(codes, group_scales, codes.shape, kind)
+    assert torch.isfinite(x).all()
     again_codes, again_scales = cp.encode(x, kind)
     assert same_bits(again_scales, group_scales)
     assert torch.equal(again_codes, codes)
@@ -429,12 +460,24 @@ def test_companded_every_code_every_fp16_scale_round_trips(kind):
 
 
 @pytest.mark.parametrize("kind", [cp.SIGNED, cp.SQRT])
+def test_companded_every_code_every_bf16_scale_round_trips(kind):
+    """For every bf16 scale encode stores for finite values and every code: decode is finite, and
+    decode then encode gives back the same scale and codes, bit for bit; decode is within fp32
+    rounding of the fp64 reference. An all-zero group
+    comes back at the floor scale bf16(1e-12), where encode puts it (scale 0 is never stored)."""
+    lo, hi = scale_bits(kind)
+    assert_every_code_round_trips(kind, bf16_range(lo, hi))
+
+
+@pytest.mark.parametrize("kind", [cp.SIGNED, cp.SQRT])
 def test_companded_groups_without_their_top_code_round_trip_with_their_saved_scales(kind):
-    """Every code below the top one, in groups that lack it, for every finite positive fp16 scale:
+    """Every code below the top one, in groups that lack it, for every bf16 scale encode stores for
+    finite values:
     decoded and encoded with the saved scales (as a decoded ``state_dict`` is loaded), the codes and
-    scales come back bit for bit. Encoded afresh, the groups of many (subnormal) scales move: their
-    decoded absmax rounds to a smaller fp16 scale."""
-    scales = torch.arange(1, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    scales come back bit for bit. Encoded afresh, every group moves to a smaller scale (its decoded
+    absmax is at most 126/128 or 254/255 of the scale, more than half a bf16 spacing below it) but
+    those at the floor scale, where the smaller absmax is clamped back to the floor."""
+    scales = bf16_range(*scale_bits(kind))
     top = 127 if kind == cp.SIGNED else 255
     every = torch.arange(-top + 1, top) if kind == cp.SIGNED else torch.arange(0, top)
     body = torch.cat([every, every[-1:].repeat(9 * 32 - every.numel())]).view(9, 32)
@@ -445,4 +488,6 @@ def test_companded_groups_without_their_top_code_round_trip_with_their_saved_sca
     assert same_bits(again_scales, group_scales)
     assert torch.equal(again_codes, codes)
     _, fresh_scales = cp.encode(x, kind)
-    assert not same_bits(fresh_scales, group_scales)  # the case the saved scales are for
+    moved = fresh_scales < group_scales  # the case the saved scales are for
+    assert torch.equal(moved, group_scales > scales[0])
+    assert same_bits(fresh_scales[~moved], group_scales[~moved])

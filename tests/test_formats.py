@@ -26,6 +26,7 @@ if importlib.util.find_spec("flash_inductor") is None:  # not installed: run fro
 from flash_inductor import _compat  # noqa: E402
 from flash_inductor.formats import companded as cp  # noqa: E402
 from flash_inductor.formats import split_weights as sw  # noqa: E402
+from reference import ref_round_toward_zero  # noqa: E402
 
 # ============================================================================ fp64 references
 
@@ -116,12 +117,14 @@ SCALE_FLOOR32 = f32(torch.tensor(1e-12, dtype=torch.float64))
 
 
 def ref_companded_encode(x, kind):
-    """(codes [groups, 32] int64, fp16 scales as float64) per DESIGN §2.2, in float64.
+    """(codes [groups, 32] int64, bf16 scales as float64) per DESIGN §2.2, in float64.
 
-    Scale: fp32 absmax, clamped to >= 1e-12, rounded to fp16; the codes divide by that stored scale
-    (module docstring). Beyond DESIGN (documented in the module and docs/numerics.md): finite absmax
-    above fp16's max saturates to 65504; a group holding inf/nan gets a nan scale and zero codes; a
-    positive sqrt(v) gets code 1 at least (the second-moment floor).
+    Scale: fp32 absmax times 1 + 2**-12 (fp32), clamped to >= 1e-12, rounded to bf16 toward zero
+    (DESIGN: the absmax to fp16, to nearest;
+    docs/numerics.md, "bf16 group scales"); the codes divide by that stored scale (module docstring). Beyond DESIGN
+    (documented in the module and docs/numerics.md): finite absmax above bf16's max saturates to
+    it; a group holding inf/nan gets a nan scale and zero codes; a positive sqrt(v) gets code 1 at
+    least (the second-moment floor).
     """
     flat = x.double().reshape(-1)
     pad = (-flat.numel()) % 32
@@ -130,7 +133,7 @@ def ref_companded_encode(x, kind):
         groups = f32(torch.sqrt(groups.clamp(min=0)))  # s = sqrt(v), an fp32 value
     absmax = groups.abs().amax(dim=1)
     finite = torch.isfinite(groups).all(dim=1)
-    scale = ref_round(torch.clamp(absmax, min=float(SCALE_FLOOR32), max=FP16[2]), FP16)
+    scale = ref_round_toward_zero(torch.clamp(f32(absmax * (1 + 2.0**-12)), min=float(SCALE_FLOOR32), max=BF16[2]), BF16)
     scale = torch.where(finite, scale, torch.full_like(scale, math.nan))
     live = (scale > 0)[:, None]
     u = torch.where(live, groups / torch.where(live, scale[:, None], 1.0), 0.0)
@@ -459,11 +462,11 @@ def test_companded_encode_decode_vs_reference(kind, case):
         x = make_state(case, numel, kind, gen).view(shape)
         codes, scales = cp.encode(x, kind)
         groups = -(-numel // 32)
-        # bytes: one code per (padded) element, one fp16 scale per group of 32
+        # bytes: one code per (padded) element, one bf16 scale per group of 32
         assert codes.shape == (groups * 32,) and codes.dtype == CODE_DTYPE[kind]
-        assert scales.shape == (groups,) and scales.dtype == torch.float16
+        assert scales.shape == (groups,) and scales.dtype == torch.bfloat16
         ref_codes, ref_scale = ref_companded_encode(x, kind)
-        assert torch.equal(scales.double(), ref_scale), "fp16 scale != fp16(max(absmax, 1e-12))"
+        assert torch.equal(scales.double(), ref_scale), "bf16 scale != bf16(max(absmax, 1e-12)) toward zero"
         total_diffs += assert_codes_close(codes, ref_codes, f"{kind} {case} {shape}")
         total += numel
         pad = groups * 32 - numel
@@ -473,8 +476,8 @@ def test_companded_encode_decode_vs_reference(kind, case):
         tail = x.reshape(-1)[(groups - 1) * 32 :].double()
         if kind == cp.SQRT:
             tail = f32(tail.sqrt())
-        tail_max = tail.abs().max().clamp(min=1e-12, max=FP16[2])
-        assert scales[-1].item() == ref_round(tail_max, FP16).item()
+        tail_max = f32(tail.abs().max() * (1 + 2.0**-12)).clamp(min=float(SCALE_FLOOR32), max=BF16[2])
+        assert scales[-1].item() == ref_round_toward_zero(tail_max, BF16).item()
 
         dec = cp.decode(codes, scales, shape, kind)
         assert dec.shape == x.shape and dec.dtype == torch.float32
@@ -504,52 +507,78 @@ def test_companded_encode_decode_vs_reference(kind, case):
             assert ((stored[floored] - step[floored]).abs() <= 2.0**-20 * step[floored]).all()
             err = (stored - root).abs()[~floored]
             assert (err <= step[~floored] / 2 * (1 + 2.0**-10) + ulp32(s[inside][~floored])).all()
-            # hence never below 2/3 of the true sqrt(v) (where the scale is an fp16 normal)
-            normal = s[inside] >= 2.0**-14
-            assert (stored[normal] >= 2 / 3 * root[normal] * (1 - 2.0**-10)).all()
+            # hence never below 2/3 of the true sqrt(v) (every bf16 scale is a normal)
+            assert (stored >= 2 / 3 * root * (1 - 2.0**-10)).all()
     assert total_diffs <= max(2, total * 1e-4)
 
 
-def test_companded_all_zero_and_underflowing_groups():
-    g = torch.zeros(6, 32)
-    g[1, 3] = 2.0**-26  # absmax rounds to fp16 zero
-    g[2, 5] = -(2.0**-25)  # exactly half the smallest fp16 subnormal: ties to even -> 0
-    g[3, 0] = 3 * 2.0**-26  # -> 2**-24, the smallest subnormal scale
-    g[3, 1] = 2.0**-26
-    g[4] = torch.linspace(-1e-6, 1e-6, 32)  # a subnormal fp16 scale
-    g[5] = torch.linspace(-3.0, 2.0, 32)  # a normal group next to them
+def test_companded_tiny_and_huge_groups_keep_their_scales():
+    """bf16 scales (docs/numerics.md, "bf16 group scales"): groups far below fp16's range keep a
+    positive scale and their full range of codes, where fp16 scales rounded to 0 below 2**-25 (the
+    group decoded to 0) and kept a few bits below 2**-14; groups far above 65504 are stored too.
+    Only an all-zero group has the floor's scale, bf16(1e-12) toward zero, and codes 0."""
+    g = torch.zeros(8, 32)
+    g[1, 3] = 2.0**-26  # fp16 scales: 0
+    g[2, 5] = -(2.0**-25)  # fp16 scales: 0 (a tie to even)
+    g[3] = torch.linspace(-1e-6, 1e-6, 32)  # fp16 scales: subnormal, 4 bits
+    g[4] = torch.linspace(-3e-11, 1e-11, 32)  # near the 1e-12 floor
+    g[5] = torch.linspace(-3.0, 2.0, 32)
+    g[6] = torch.linspace(-1e6, 3e5, 32)  # fp16 scales: saturated at 65504
+    g[7] = torch.linspace(-1e18, 2e17, 32)  # squared (second moments): 1e36, finite
     for kind in (cp.SIGNED, cp.SQRT):
         x = g.abs() ** 2 if kind == cp.SQRT else g
         codes, scales = cp.encode(x, kind)
         ref_codes, ref_scale = ref_companded_encode(x, kind)
         assert torch.equal(scales.double(), ref_scale)
-        assert scales[:3].tolist() == [0.0, 0.0, 0.0]
-        assert scales[3].item() == 2.0**-24
-        assert (codes.view(6, 32)[:3] == 0).all()
+        floor = (torch.tensor([1e-12]).view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)  # fp32(1e-12) toward zero
+        assert scales[0].item() == floor.item() and (codes.view(8, 32)[0] == 0).all()
+        # a fresh state (CompandedState.zeros) stores what encoding zeros gives
+        assert torch.equal(cp.zero_scales(3).view(torch.int16), cp.encode(torch.zeros(70), kind)[1].view(torch.int16))
+        assert (scales[1:].float() > 0).all()
         assert_codes_close(codes, ref_codes, kind)
         dec = cp.decode(codes, scales, x.shape, kind)
-        assert torch.isfinite(dec).all()
-        assert (dec[:3] == 0).all()
         assert torch.equal(dec.double(), ref_companded_decode(codes, scales.double(), kind))
+        assert (dec[0] == 0).all()
+        # every group's largest element takes the top code and decodes to the scale: at most the slack
+        # above it, at most the rounding toward zero below it, 2**-12 and 2**-7 relative (v = sqrt(v)**2:
+        # twice as much)
+        top = x.abs().argmax(dim=1)
+        rows = torch.arange(8)
+        want, got = x[rows, top].abs().double(), dec[rows, top].abs().double()
+        power = 1 if kind == cp.SIGNED else 2
+        assert (got <= want * (1 + 2.0**-12) ** power)[1:].all() and (want - got <= want * power * 2.0**-7)[1:].all()
 
 
-def test_companded_beyond_fp16_max_saturates():
+def test_companded_beyond_the_largest_scale_saturates():
+    """Signed states: bf16's largest finite value is the largest scale (fp32's largest would round
+    to inf). Second moments: the largest bf16 whose square is finite, so that the top code never
+    decodes to inf (the next bf16, 2**64, would): v near fp32's largest decodes to that square."""
     x = torch.randn(2, 32, generator=torch.Generator().manual_seed(1))
-    x[0, :4] = torch.tensor([1e6, -3e5, 65504.0, 30000.0])
+    big = torch.finfo(torch.float32).max
+    top = cp.SCALE_MAX[cp.SIGNED]
+    assert top == torch.finfo(torch.bfloat16).max
+    x[0, :4] = torch.tensor([big, -big, top, 1e37])
     codes, scales = cp.encode(x, cp.SIGNED)
-    assert scales.tolist()[0] == 65504.0
+    assert scales.float().tolist()[0] == top
     c = codes.view(2, 32)
     assert c[0, :3].tolist() == [127, -127, 127]
     ref_codes, ref_scale = ref_companded_encode(x, cp.SIGNED)
     assert torch.equal(scales.double(), ref_scale)
     assert_codes_close(codes, ref_codes, "signed")
     dec = cp.decode(codes, scales, x.shape, cp.SIGNED)
-    assert dec[0, :3].tolist() == [65504.0, -65504.0, 65504.0]
-    assert abs(dec[0, 3].item() - 30000.0) <= 65504.0 / 127
-    v = x.square()  # second moments up to 1e12: sqrt 1e6 saturates at 65504
+    assert dec[0, :3].tolist() == [top, -top, top]
+    assert abs(dec[0, 3].item() - 1e37) <= top / 127
+
+    root_top = cp.SCALE_MAX[cp.SQRT]
+    above = torch.tensor(root_top, dtype=torch.bfloat16).view(torch.int16) + 1
+    squares = torch.tensor([root_top, above.view(torch.bfloat16).item()]).square()  # fp32
+    assert torch.isfinite(squares[0]) and torch.isinf(squares[1])
+    v = x.abs()
+    v[0, :3] = torch.tensor([big, squares[0].item(), 1.0])
     codes, scales = cp.encode(v, cp.SQRT)
-    assert scales.tolist()[0] == 65504.0 and codes.view(2, 32)[0, :3].tolist() == [255, 255, 255]
-    assert cp.decode(codes, scales, v.shape, cp.SQRT)[0, 0].item() == 65504.0**2
+    assert scales.float().tolist()[0] == root_top and codes.view(2, 32)[0, :2].tolist() == [255, 255]
+    dec = cp.decode(codes, scales, v.shape, cp.SQRT)
+    assert torch.isfinite(dec).all() and dec[0, 0].item() == dec[0, 1].item() == torch.tensor(root_top).square().item()
 
 
 def test_companded_non_finite_groups_decode_to_nan():
@@ -569,9 +598,10 @@ def test_companded_non_finite_groups_decode_to_nan():
 
 
 def test_companded_decode_every_code_bit_exact():
-    """All 256 codes of each kind against a spread of scales, including subnormal, max and 0."""
-    sc = torch.tensor([0.0, 2.0**-24, 1e-6, 6.1e-5, 0.1, 1.0, 3.14, 1000.0, 65504.0] + [1.0] * 7)
-    scales = sc.half()
+    """All 256 codes of each kind against a spread of scales, from the 1e-12 floor to bf16's max, and 0."""
+    sc = torch.tensor([0.0, 1e-12, 2.0**-24, 1e-6, 6.1e-5, 0.1, 1.0, 3.14, 1000.0, 65504.0, 1e30, cp.SCALE_MAX[cp.SIGNED]]
+                      + [1.0] * 4)
+    scales = sc.to(torch.bfloat16)
     for kind, lo, hi in ((cp.SIGNED, -128, 128), (cp.SQRT, 0, 256)):
         q = torch.arange(lo, hi).to(CODE_DTYPE[kind])
         q = q.view(-1, 32).repeat(scales.numel() * 32 // q.numel(), 1).view(-1)[: scales.numel() * 32]
@@ -580,12 +610,12 @@ def test_companded_decode_every_code_bit_exact():
         assert torch.equal(dec.double(), want)
     # SIGNED: q = +-127 decodes to +-scale, q = 0 to 0, and decode is odd in q
     q = torch.tensor([127, -127, 0] + [0] * 29, dtype=torch.int8)
-    s = torch.tensor([3.14], dtype=torch.float16)
+    s = torch.tensor([3.14], dtype=torch.bfloat16)
     d = cp.decode(q, s, (32,), cp.SIGNED)
     assert d[:3].tolist() == [s.item(), -s.item(), 0.0]
     q = torch.arange(-127, 128).to(torch.int8)
     q = torch.cat([q, q.new_zeros(1)])
-    d = cp.decode(q, torch.full((8,), 1.5, dtype=torch.float16), (256,), cp.SIGNED)
+    d = cp.decode(q, torch.full((8,), 1.5, dtype=torch.bfloat16), (256,), cp.SIGNED)
     assert torch.equal(d[:255], -d[:255].flip(0))
     assert (d[1:255] > d[:254]).all()
 
@@ -604,7 +634,7 @@ def test_companded_partial_and_empty_and_bad_kind():
     with pytest.raises(ValueError):
         cp.encode(torch.ones(3), "linear")
     with pytest.raises(ValueError):
-        cp.decode(torch.zeros(32, dtype=torch.int8), torch.ones(1, dtype=torch.float16), (3,), "x")
+        cp.decode(torch.zeros(32, dtype=torch.int8), torch.ones(1, dtype=torch.bfloat16), (3,), "x")
 
 
 def test_companded_sqrt_negative_zero_and_bf16_input():
@@ -618,14 +648,15 @@ def test_companded_sqrt_negative_zero_and_bf16_input():
 
 def test_companded_sqrt_floor_keeps_positive_second_moments_nonzero():
     """Issue 15's rule: a positive sqrt(v) gets code 1 at least, where DESIGN §2.2's rounding gives 0
-    (below half a code step); 0, -0.0 and groups whose scale is 0 (underflow) or nan keep code 0.
+    (below half a code step); 0, -0.0 and groups whose scale is nan keep code 0. A group whose fp16
+    scale would have underflowed to 0 keeps its codes (bf16 scales).
     Codes equal the fp64 reference exactly (no value here is near a .5 boundary)."""
     fractions = [1e-12, 1e-6, 0.1 / 255, 0.49 / 255, 0.51 / 255, 1 / 255, 1.4 / 255, 0.31, 1.0]
     groups = []
-    for top in (3 * 2.0**-14, 1e-3, 1.0, 300.0, 6e4):  # sqrt(v)'s absmax: fp16 normal scales
+    for top in (3 * 2.0**-14, 1e-3, 1.0, 300.0, 6e4):  # sqrt(v)'s absmax
         groups.append(torch.tensor([f * top for f in fractions] + [0.0] * (32 - len(fractions)), dtype=torch.float64).square())
     groups.append(torch.tensor([2.0**-149, 1.0] + [0.0] * 30, dtype=torch.float64))  # the smallest fp32 v
-    groups.append(torch.full((32,), 2.0**-52, dtype=torch.float64))  # sqrt 2**-26: the scale underflows to 0
+    groups.append(torch.full((32,), 2.0**-52, dtype=torch.float64))  # sqrt 2**-26: an fp16 scale was 0
     groups.append(torch.tensor([1e-20, math.nan] + [1.0] * 30, dtype=torch.float64))  # nan group
     v = torch.stack(groups).float()
     v[0, -1] = -0.0
@@ -636,7 +667,7 @@ def test_companded_sqrt_floor_keeps_positive_second_moments_nonzero():
 
     codes = codes.view(-1, 32).long()
     live = (v > 0) & (scales.float() > 0).view(-1, 1)  # positive v in a group with a positive scale
-    assert int(live.sum()) == 5 * len(fractions) + 2
+    assert int(live.sum()) == 5 * len(fractions) + 2 + 32
     assert (codes[live] >= 1).all() and (codes[~live] == 0).all()
     # DESIGN §2.2's rounding would store 0 for 21 of them: this test sees the floor
     paper = torch.floor(255 * v.double().sqrt() / ref_scale.view(-1, 1) + 0.5)

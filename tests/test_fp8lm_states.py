@@ -367,7 +367,7 @@ def test_decoded_states_load_across_state_formats_and_compressed_ones_are_refuse
     train(compressed_model, compressed_opt, BATCHES[:1])
     before = stored_bits(model, opt)
     with pytest.raises(ValueError, match=r"saved 'exp_avg' of parameter 'fc1.weight' \(kind 'signed', codes \[256, 32\] "
-                                         r"torch.int8, scales \[256\] torch.float16\) does not fit a 'signed' state of "
+                                         r"torch.int8, scales \[256\] torch.bfloat16\) does not fit a 'signed' state of "
                                          r"state_format='fp8lm' and shape \[64, 128\] \(8192 codes, 1 scales\)"):
         opt.load_state_dict(roundtrip(compressed_opt.state_dict()))
     assert_same_bits(stored_bits(model, opt), before)

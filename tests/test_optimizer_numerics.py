@@ -45,7 +45,6 @@ from reference import (
     BF16,
     E4M3,
     E5M2,
-    FP16,
     GROUP,
     RefLion,
     RefSGDW,
@@ -75,9 +74,10 @@ def test_reference_formats_round_trip():
     assert ref_split_decode(hi, lo, 127)[0].item() == 1 + 64 / 127 * 2.0**-8
     v = torch.cat([torch.linspace(-1, 1, 32, dtype=torch.float64), torch.tensor([0.3, -0.1], dtype=torch.float64)])
     codes, scales = ref_state_encode(v, "signed")
-    assert scales.tolist() == [1.0, 1229 / 4096]  # partial second group: absmax 0.3 rounded to fp16
-    # -0.1: u = -0.33328, y = 2u / (1 + |u|) = -0.49994, floor(127 y + 0.5) = floor(-62.99) = -63
-    assert codes[32:].tolist() == [127, -63] + [0] * 30
+    # partial second group: absmax 0.3 (times 1 + 2**-12) rounded to bf16 toward zero
+    assert scales.tolist() == [1.0, 153 / 512]
+    # 0.3 against 0.29883: code 127 (saturated); -0.1: u = -0.33464, y = -0.50146, floor(-63.19) = -64
+    assert codes[32:].tolist() == [127, -64] + [0] * 30
     back = ref_decode_state(codes, scales, v.shape, "signed")
     assert (back - v).abs().max() < 0.02
     assert codes[0].item() == -127 and codes[31].item() > 0
@@ -230,7 +230,7 @@ ONE_STEP_CASES = {
 }
 # Measured over 50 steps of every case (0.93M master elements, 0.93M-2.8M state codes per case):
 # codes one step off: at most 4.2e-5 of all codes (AdamW-foreach: 78 of 1.86M), never two; scales
-# differing: at most 58 of 58k groups, each by one fp16 ulp; masters: at most 10 per case with a
+# differing: at most 58 of 58k groups, each by one ulp (measured with fp16 scales); masters: at most 10 per case with a
 # different bf16 hi (a rounding boundary); all masters within one error-code step of the fp64 one
 # except at most 13 per case (parameters passing near zero, where the fp32 arithmetic of the update
 # is coarser than a code step), and those exceed it by at most 1.6 fp32 ulps of ``size`` (see
@@ -304,7 +304,7 @@ def expected_steps(model, opt, algo, fp8=None):
 def compare_with_expected_steps(model, opt, expected, label):
     """The masters and states stored after a step against ``expected_steps`` from before it: every master
     within one error-code step of the fp64 one plus ``FP32_ALLOWANCE_ULPS`` of its size (ambiguous ones
-    aside), every state code within one of the fp64 encode, every scale within an fp16 ulp; an
+    aside), every state code within one of the fp64 encode, every scale within a bf16 ulp; an
     AssertionError names the first miss. Returns the counts the callers bound (a Counter)."""
     record = roles.PREPARED[opt]
     counts = collections.Counter()
@@ -338,8 +338,8 @@ def compare_with_expected_steps(model, opt, expected, label):
             counts["codes_off"] += (dq == 1).sum().item()
             counts["codes"] += dq.numel()
             scales = s.scales.double()
-            fp16_ulp = torch.exp2(ulp_log2(scales_ref, FP16))
-            assert ((scales - scales_ref).abs() <= fp16_ulp).all(), f"{label} {key}: scales"
+            bf16_ulp = torch.exp2(ulp_log2(scales_ref, BF16))
+            assert ((scales - scales_ref).abs() <= bf16_ulp).all(), f"{label} {key}: scales"
             counts["scales_differ"] += (scales != scales_ref).sum().item()
     return counts
 
@@ -402,25 +402,38 @@ def test_inductor_step_matches_eager_rewrite(compiled_vs_eager):
     # one optimizer-step graph per run, no recompiles over 4 steps; only one went through
     # AOTAutograd + Inductor (compiler="eager" runs the rewritten Dynamo graph as is)
     assert graphs == (2, 1)
-    n_params = differ_hi = 0
+    n_params = differ_hi = diverged = 0
     for step in range(COMPILED_STEPS):
-        for (hi_c, lo_c, st_c), (hi_e, lo_e, st_e) in zip(snaps["inductor"][step], snaps["eager"][step]):
+        previous = before if step == 0 else {c: snaps[c][step - 1] for c in snaps}
+        for (hi_c, lo_c, st_c), (hi_e, lo_e, st_e), (phi_c, plo_c, pst_c), (phi_e, plo_e, pst_e) in zip(
+                snaps["inductor"][step], snaps["eager"][step], previous["inductor"], previous["eager"]):
             same = hi_c.view(torch.int16) == hi_e.view(torch.int16)
             differ_hi += (~same).sum().item()
             n_params += same.numel()
-            # where hi differs it is by one bf16 ulp, and the masters are within one code step
-            assert ((hi_c.view(torch.int16).int() - hi_e.view(torch.int16).int()).abs() <= 1).all()
+            # The runs may round a state code apart (one step at a .5 boundary: compiled code may
+            # contract into FMAs); from then on that element's updates differ. Where both stepped
+            # from the same master and states, the masters are within one code step.
+            from_same = (phi_c == phi_e) & (plo_c == plo_e)
+            for key in pst_e:
+                for (codes_c, scales_c), (codes_e, scales_e) in [(pst_c[key], pst_e[key])]:
+                    group_same = (codes_c == codes_e).all(dim=-1) & (scales_c.view(torch.int16) == scales_e.view(torch.int16))
+                    element_same = ((codes_c == codes_e) & group_same[:, None]).view(-1)[:hi_c.numel()]
+                    from_same &= element_same.view(hi_c.shape)
+            diverged += (~from_same).sum().item()
+            assert ((hi_c.view(torch.int16).int() - hi_e.view(torch.int16).int()).abs()[from_same] <= 1).all()
             m_c, m_e = ref_split_decode(hi_c, lo_c, 127), ref_split_decode(hi_e, lo_e, 127)
             code_step = torch.exp2(ulp_log2(torch.maximum(hi_c.double().abs(), hi_e.double().abs()), BF16) - 1) / 127
-            assert ((m_c - m_e).abs() <= code_step).all(), f"step {step}: masters"
-            assert ((lo_c.int() - lo_e.int()).abs()[same] <= 1).all(), f"step {step}: error terms"
+            assert ((m_c - m_e).abs() <= code_step)[from_same].all(), f"step {step}: masters"
+            assert ((lo_c.int() - lo_e.int()).abs()[same & from_same] <= 1).all(), f"step {step}: error terms"
             for key in st_e:
                 (codes_c, scales_c), (codes_e, scales_e) = st_c[key], st_e[key]
                 assert ((codes_c.int() - codes_e.int()).abs() <= 1).all(), f"step {step} {key}: codes"
                 assert (scales_c.view(torch.int16).int() - scales_e.view(torch.int16).int()).abs().max() <= 1
-    # measured on torch 2.13 CPU: bit-identical params, error terms, codes and scales at every step
-    # (4680 parameters x 3 steps); the tolerances above are what DESIGN §3 allows (FMA contraction)
+    # measured on torch 2.13 CPU with bf16 scales: one first-moment code apart after step 2 of 3, so
+    # its group of 32 (and one error term) stepped from different states (4680 parameters x 3 steps);
+    # the tolerances above are what DESIGN §3 allows (FMA contraction)
     assert differ_hi <= 1e-3 * n_params, (differ_hi, n_params)
+    assert diverged <= 3 * 32, (diverged, n_params)
 
 
 def test_inductor_keeps_bf16_rounding_in_fused_kernel(compiled_vs_eager):

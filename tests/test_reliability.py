@@ -263,9 +263,10 @@ def test_a_zero_lr_step_leaves_the_weights_and_advances_the_states_like_stock(cl
     assert len(weights) == 8 and all(torch.equal(after[k], before[k]) for k in weights)
     for p, rp in zip(model.parameters(), ref.parameters()):
         assert float(opt.state[p]["step"]) == 1
-        for key in ("exp_avg", "exp_avg_sq"):
+        # within a code step and the top's saturation (bf16 scales toward zero: 2**-7 of sqrt(v), 2**-6 of v)
+        for key, tolerance in (("exp_avg", 0.01), ("exp_avg_sq", 0.01 + 2.0**-6)):
             got, want = opt.state[p][key].decode(), ref_opt.state[rp][key]
-            assert want.abs().max() > 0 and (got - want).abs().max() <= 0.01 * want.abs().max(), key
+            assert want.abs().max() > 0 and (got - want).abs().max() <= tolerance * want.abs().max(), key
     opt.param_groups[0]["lr"].fill_(1e-2)  # as a scheduler does after the warmup step
     for p in model.parameters():
         p.grad = torch.ones_like(p)

@@ -1,7 +1,8 @@
-"""Companded 8-bit optimizer states with one fp16 scale per group of 32 elements.
+"""Companded 8-bit optimizer states with one bf16 scale per group of 32 elements.
 
-DESIGN.md §2.2. The tensor is flattened and cut into groups of ``GROUP_SIZE`` (a partial last
-group is padded with zeros); each group stores ``scale = fp16(max(absmax, 1e-12))``.
+DESIGN.md §2.2, with bf16 scales where it says fp16 (below). The tensor is flattened and cut into
+groups of ``GROUP_SIZE`` (a partial last group is padded with zeros); each group stores
+``scale = bf16(max(absmax * (1 + 2**-12), 1e-12))``, rounded toward zero.
 
 Signed states (momentum, Adam's first moment) use a softsign compander, which spends more codes
 near zero where most values are:
@@ -18,30 +19,42 @@ The floor at code 1 is ours (issue 15; FlashOptim and DESIGN §2.2 round to 0): 
 sqrt(v) is below 1/510 of its group's largest would decode to v = 0 while its first moment does
 not, and the next Adam step would divide m by sqrt((1 - beta2) g**2), this step's gradient alone
 (updates up to 1e6 times fp64 Adam's in benchmarks/second_moment_hazard.py). With the floor the
-stored sqrt(v) is at least 2/3 of the true one (normal fp16 scales): such elements are damped (as if their eps were
+stored sqrt(v) is at least 2/3 of the true one: such elements are damped (as if their eps were
 scale/255), never blown up. docs/numerics.md has the measurements.
 
-Encoding divides by the *stored* fp16 scale (the ``scale`` of DESIGN §2.2 is the fp16 one), so the
-codes are relative to exactly what decode multiplies by. FlashOptim instead divides by the fp32
-absmax and only rounds the scale when storing it; the two differ only by the fp16 rounding of the
-scale (at most 2**-11 relative for normal fp16 scales, i.e. a code step at most). All arithmetic is
+**bf16 scales, not DESIGN's and FlashOptim's fp16** (ours, issue 14): Adam's update is
+scale-invariant, so a weight whose gradients are tiny (the lm_head rows of tokens a batch never
+has, whose gradients shrink with their probabilities) still moves a full step in fp32 Adam. With
+fp16 scales such a group's scale loses its bits below 2**-14 and rounds to 0 below 2**-25: its
+moments decode to 0 and the weights stop. bf16 scales take the same two bytes with fp32's exponent
+range. They are rounded toward zero after a slack of 2**-12, so a group's largest value is at least
+``scale / (1 + 2**-12)`` and takes the top code (its decode is the scale, and decoded values
+encode back to the same codes and scale, also where arithmetic put the top value a few ulps low); with
+8 significant bits that saturates values within 2**-7 of the largest (at most two top code steps),
+where fp16's 11 bits kept every group's largest value within a code of the scale anyway. On the
+Llama of docs/benchmarks.md bf16 scales (emulated, rounded to nearest) moved the 300-step loss
+from +2.10% above the baseline's to +0.09% (fp32 states: -0.14%).
+
+Encoding divides by the *stored* scale, so the codes are relative to exactly what decode
+multiplies by. FlashOptim instead divides by the fp32 absmax and only rounds the scale when
+storing it. All arithmetic is
 fp32; tests/test_formats.py checks codes against an fp64 reference (equal, or one code step apart at
 a rounding boundary) and decode bit for bit against an fp32 op-by-op reference. Decode multiplies by
 ``fp32(1/127)`` / ``fp32(1/255)`` instead of dividing, so it gives the same bits on every device.
 
-Compiling: needs ``emulate_precision_casts=True`` (otherwise the fp16 rounding of the scale is
-skipped inside the kernel), and on torch < 2.13's C++ backend ``_compat.cpp_keeps_precision_casts``
-as well. Compiled
+Compiling: the scale is rounded by clearing bits, so its cast to bf16 is exact (no
+``emulate_precision_casts`` needed for it). Compiled
 codes may differ from eager ones by one at a rounding boundary (Triton's divisions and square roots
 are approximate): the bar is the fp64 reference, within one code.
 
 Edge cases:
-- A partial last group is padded with zeros (codes 0); an all-zero group stores scale 0, codes 0.
-- absmax is clamped to >= 1e-12 in fp32 (DESIGN), which fp16 rounds to 0: a group whose absmax
-  rounds to fp16 zero (absmax <= 2**-25) stores scale 0 and codes 0, and decodes to zeros. A scale
-  in fp16's subnormal range (absmax < 2**-14) keeps only a few bits; values above the rounded scale
-  saturate at the top code.
-- Finite absmax beyond fp16's max (65504) stores scale 65504; codes saturate at +-127 / 255.
+- A partial last group is padded with zeros (codes 0).
+- absmax is clamped to >= 1e-12 in fp32 (DESIGN), a normal bf16: an all-zero group stores scale
+  bf16(1e-12) (toward zero) and codes 0, and decodes to zeros. No finite group underflows.
+- Finite absmax beyond the largest scale stores that scale and the codes saturate at +-127 / 255:
+  bf16's largest finite value for signed states (fp32's largest would round above it), and for
+  second moments the largest bf16 whose square is finite (about 1.84e19; the next one, 2**64,
+  would decode its top code to inf), so v beyond about 3.38e38 decodes to that.
 - A group holding inf or nan stores a nan scale and codes 0, so the whole group decodes to nan
   (loud, like fp32 state would be; never garbage codes from a nan-to-int cast).
 """
@@ -50,11 +63,16 @@ import torch
 
 GROUP_SIZE = 32
 SCALE_FLOOR = 1e-12
-_FP16_MAX = torch.finfo(torch.float16).max
+SCALE_DTYPE = torch.bfloat16
 
 SIGNED = "signed"  # int8 softsign codes
 SQRT = "sqrt"  # uint8 linear codes of sqrt(v)
 CODE_DTYPES = {SIGNED: torch.int8, SQRT: torch.uint8}
+# A value this little (relative) below a bf16 scale still rounds to it (``_scales``).
+SCALE_SLACK = 2.0**-12
+# The largest scale of each kind (module docstring): every decoded value stays finite.
+SCALE_MAX = {SIGNED: torch.finfo(SCALE_DTYPE).max,
+             SQRT: torch.tensor([0x5F7F], dtype=torch.int16).view(SCALE_DTYPE).item()}
 
 
 def num_groups(numel):
@@ -70,13 +88,28 @@ def as_groups(x):
     return flat.view(-1, GROUP_SIZE)
 
 
-def _scales(groups):
-    """fp16 group scales and their fp32 value (zero where fp16 underflows, nan for inf/nan groups)."""
+def _scales(groups, kind):
+    """bf16 group scales of ``kind``'s coded values and their fp32 value (nan for inf/nan groups)."""
     absmax = groups.abs().amax(dim=1, keepdim=True)  # nan if the group holds a nan
-    scale = absmax.clamp(min=SCALE_FLOOR, max=_FP16_MAX)
-    scale = torch.where(torch.isinf(absmax), torch.full_like(scale, float("nan")), scale)
-    scale = scale.to(torch.float16)
+    scale = _toward_zero((absmax * (1 + SCALE_SLACK)).clamp(min=SCALE_FLOOR, max=SCALE_MAX[kind]))
+    scale = torch.where(torch.isinf(absmax) | torch.isnan(absmax), torch.full_like(scale, float("nan")), scale)
+    scale = scale.to(SCALE_DTYPE)  # exact
     return scale.view(-1), scale.float()
+
+
+def _toward_zero(scale):
+    """fp32 ``scale`` rounded toward zero to a bf16 value (the low 16 bits cleared).
+
+    After the slack the scale is at most the group's largest value, or 2**-12 above it, so that
+    value takes the top code, and decode then encode gives back every bit even where decode's
+    arithmetic put the top value a few ulps low.
+    """
+    return (scale.view(torch.int32) & -65536).view(torch.float32)
+
+
+def zero_scales(groups, device=None):
+    """The scales ``encode`` gives all-zero groups: the floor, rounded toward zero."""
+    return _toward_zero(torch.full((groups,), SCALE_FLOOR, device=device)).to(SCALE_DTYPE)
 
 
 def _over_scale(x, scale):
@@ -86,28 +119,29 @@ def _over_scale(x, scale):
 
 
 def encode(x, kind):
-    """Encode fp32-valued ``x`` as ``(codes, scales)``: flat codes of length groups*32, fp16 scales.
+    """Encode fp32-valued ``x`` as ``(codes, scales)``: flat codes of length groups*32, bf16 scales.
 
     ``kind`` is ``SIGNED`` (x any sign) or ``SQRT`` (x is a second moment, >= 0).
     """
     values = _coded_values(x, kind)
-    scale16, scale = _scales(values)
+    scale16, scale = _scales(values, kind)
     return _codes(values, scale, kind).view(-1), scale16
 
 
 def encode_with_saved_scales(x, kind, saved_scales):
     """``encode(x, kind)``, except in each group whose values are exactly the decode of codes
-    against its saved fp16 scale (``saved_scales``, one per group, as ``state_dict`` saved them
+    against its saved scale (``saved_scales``, one per group, as ``state_dict`` saved them
     with the decoded values): that group gets those codes and that scale back.
 
     Decoded values alone do not always give back their codes: a group without its top code (its
-    largest value decodes below the scale, as happens with subnormal fp16 scales, i.e. tiny
-    second moments) encodes afresh against its smaller decoded absmax, another fp16 scale, and
+    largest value decodes below the scale, as happens where bf16 rounded the scale up) encodes
+    afresh against its smaller decoded absmax, another scale, and
     every code of the group moves. A group the saved scale does not reproduce (other values, a
-    stale or non-finite scale) is encoded afresh.
+    stale or non-finite scale, or the fp16 scales of a checkpoint from before the scales were
+    bf16) is encoded afresh.
     """
     codes, scales = encode(x, kind)
-    saved = saved_scales.to(device=scales.device, dtype=torch.float16).view(-1)
+    saved = saved_scales.to(device=scales.device, dtype=SCALE_DTYPE).view(-1)
     saved_codes = _codes(_coded_values(x, kind), saved.float().view(-1, 1), kind)
     decoded = decode(saved_codes, saved, saved_codes.shape, kind)
     exact = (decoded == as_groups(x)).all(dim=1) & torch.isfinite(saved) & (saved >= 0)

@@ -3,7 +3,7 @@
 A ``StateTensor`` presents itself as a dense tensor of the parameter's shape and dtype, so stock
 ``torch.optim`` code and Dynamo trace it unchanged, while it stores:
 
-- ``CompandedState``: companded 8-bit codes + fp16 group scales (``formats.companded``);
+- ``CompandedState``: companded 8-bit codes + bf16 group scales (``formats.companded``);
 - ``TensorScaledState``: e4m3 or fp16 codes + one fp32 scale per tensor (``formats.tensor_scaled``,
   FP8-LM's Adam states); also a flat bucket's FP8 gradients (e5m2 codes), which the step reads;
 - ``Fp32State``: plain fp32 values (unquantized states of bf16/fp16 parameters).
@@ -108,7 +108,7 @@ def _nbytes(t):
 
 
 class CompandedState(StateTensor):
-    """Companded 8-bit codes with one fp16 scale per group of 32 (``formats.companded``).
+    """Companded 8-bit codes with one bf16 scale per group of 32 (``formats.companded``).
 
     ``codes`` is stored as ``(groups, 32)``, the layout the compiled step updates in: Inductor
     builds the copy into the stored codes with the destination's shape, and a flat destination
@@ -142,7 +142,7 @@ class CompandedState(StateTensor):
         """The all-zero state for parameter ``like``, allocated directly as codes and scales."""
         groups = companded.num_groups(like.numel())
         codes = torch.zeros(groups, companded.GROUP_SIZE, dtype=companded.CODE_DTYPES[kind], device=like.device)
-        scales = torch.full((groups,), companded.SCALE_FLOOR, dtype=torch.float16, device=like.device)
+        scales = companded.zero_scales(groups, device=like.device)
         return cls(codes, scales, kind, shape=like.shape, dtype=like.dtype)
 
     @staticmethod
@@ -153,7 +153,7 @@ class CompandedState(StateTensor):
     @staticmethod
     def stored_dtypes(kind):
         """(codes, scales) dtypes of a ``kind`` state."""
-        return companded.CODE_DTYPES[kind], torch.float16
+        return companded.CODE_DTYPES[kind], companded.SCALE_DTYPE
 
     @staticmethod
     def codes_problem(codes, kind):
