@@ -102,6 +102,8 @@
 #              each with and without it (peak memory, speed); CONFIGS picks rows, SUFFIX names the files
 #   bf16scales issue 14: the companded states' bf16 group scales run by their kernels: the GPU tests and the step
 #              alone on the 1.2B GPT's tensors; their loss: hfllamaseeds with RUNS="flashoptim:0 ..."
+#   fp8grads   issue 14: where our FP8 pass and torchao's part on the Llama (ours ended above torchao's on both seeds
+#              run): one step's gradients, bf16 against ours (eager and Inductor) and torchao, after 50 baseline steps
 #   statefidelity issue 14: the companded states' loss gap: state_fidelity.py on the Llama's baseline run (300 steps,
 #              transformers' mask, seed 0), each candidate format's Adam update against exact fp32 moments fed the same
 #              gradients (CANDIDATES picks formats of state_candidates.py); their effect on training: hfllamaseeds with
@@ -470,6 +472,9 @@ case $stage in
       2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_bf16scales_h200.log"
     tail -6 "$out/gpu_tests_bf16scales_h200.log"
     logged optimizer_step_bf16scales_h200 200 optimizer_step.py --lists gpt_1b --configs torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_fp8lmstates,flashoptim_pypi
+    ;;
+  fp8grads)
+    logged fp8_gradient_check_llama_h200 500 fp8_gradient_check.py --model llama --size full --pretrain 50
     ;;
   statefidelity)
     logged state_fidelity_llama_h200 560 state_fidelity.py --model llama --steps "${FIDELITY_STEPS:-300}" \
