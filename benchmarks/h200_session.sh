@@ -108,6 +108,9 @@
 #              transformers' mask, seed 0), each candidate format's Adam update against exact fp32 moments fed the same
 #              gradients (CANDIDATES picks formats of state_candidates.py); their effect on training: hfllamaseeds with
 #              RUNS="flashoptim+emulate_NAME:0 ..."
+#   nearestscales issue 14: the companded states' bf16 scales rounded to nearest where that keeps the top code: every
+#              GPU test of the companded and FP8-LM steps, beside fp8grads (one step's FP8 gradients on the Llama); with
+#              PART=step the step alone on the 1.2B GPT's tensors; their loss: hfllamaseeds with RUNS="flashoptim:0 ..."
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -475,6 +478,18 @@ case $stage in
     ;;
   fp8grads)
     logged fp8_gradient_check_llama_h200 500 fp8_gradient_check.py --model llama --size full --pretrain 50
+    ;;
+  nearestscales)
+    if [ "${PART:-tests}" = step ]; then
+      logged optimizer_step_nearestscales_h200 150 optimizer_step.py --lists gpt_1b --configs torch_fused_fp32,torch_fused_bf16,flashoptim
+    else
+      # the tests barely load the GPU: beside the gradient check, which times nothing
+      timeout 330 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8lm_states.py tests/test_gradient_release.py \
+        2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_nearestscales_h200.log" &
+      logged fp8_gradient_check_llama_h200 520 fp8_gradient_check.py --model llama --size full --pretrain 50
+      wait
+      tail -6 "$out/gpu_tests_nearestscales_h200.log"
+    fi
     ;;
   statefidelity)
     logged state_fidelity_llama_h200 560 state_fidelity.py --model llama --steps "${FIDELITY_STEPS:-300}" \

@@ -120,7 +120,7 @@ if _compat.HAS_TRITON:
     # the largest group scales (formats/companded.py)
     _SIGNED_SCALE_MAX = tl.constexpr(companded.SCALE_MAX[companded.SIGNED])
     _SQRT_SCALE_MAX = tl.constexpr(companded.SCALE_MAX[companded.SQRT])
-    _SCALE_SLACK = tl.constexpr(companded.SCALE_SLACK)
+    _SCALE_ROUND_UP_MAX = tl.constexpr(companded.SCALE_ROUND_UP_MAX)
     _SCALE_FLOOR = tl.constexpr(companded.SCALE_FLOOR)
 
     @triton.jit
@@ -234,8 +234,8 @@ if _compat.HAS_TRITON:
     @triton.jit
     def _group_scale(x, FACTOR: tl.constexpr, SCALE_MAX: tl.constexpr, APPROX: tl.constexpr):
         """bf16 scales of the groups of ``x`` (``[block, 32 // vector, vector]``) and ``FACTOR`` over
-        their fp32 values: absmax times 1 + SCALE_SLACK, clamped to [SCALE_FLOOR, SCALE_MAX] and rounded
-        toward zero, nan for a group holding inf or nan
+        their fp32 values: absmax clamped to [SCALE_FLOOR, SCALE_MAX] and rounded to nearest, or toward
+        zero where nearest is more than SCALE_ROUND_UP_MAX above it, nan for a group holding inf or nan
         (formats/companded.py), in one reduction. APPROX: the same scales from the max of the int32
         views of ``|x|`` (ordered as ``|x|``, nan above inf), where the exact kernel compares and
         selects before each max."""
@@ -247,9 +247,14 @@ if _compat.HAS_TRITON:
             magnitude = tl.abs(x)
             absmax = tl.max(tl.max(tl.where(magnitude == magnitude, magnitude, float("inf")), axis=2), axis=1)
             finite = absmax != float("inf")
-        scale32 = tl.where(finite, tl.minimum(tl.maximum(absmax * (1 + _SCALE_SLACK), _SCALE_FLOOR), SCALE_MAX), float("nan"))
-        # toward zero, as formats/companded.py: the low 16 bits cleared, then an exact cast (nan stays nan)
-        scale_bf16 = (scale32.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
+        # from a finite value only (a nan's bits could overflow the integer rounding); nan at the end
+        clamped = tl.where(finite, tl.minimum(tl.maximum(absmax, _SCALE_FLOOR), SCALE_MAX), 1.0)
+        # rounded as formats/companded.py's ``_rounded``, on the bits; then an exact cast
+        clamped_bits = clamped.to(tl.int32, bitcast=True)
+        nearest = ((clamped_bits + (0x7FFF + ((clamped_bits >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
+        toward_zero = (clamped_bits & -65536).to(tl.float32, bitcast=True)
+        scale32 = tl.where(nearest <= clamped * (1 + _SCALE_ROUND_UP_MAX), nearest, toward_zero)
+        scale_bf16 = tl.where(finite, scale32, float("nan")).to(tl.bfloat16)
         scale = scale_bf16.to(tl.float32)
         inverse = tl.where(scale > 0, FACTOR / scale, 0.0)  # 0 where the group is nan
         return scale_bf16, inverse[:, None, None]

@@ -35,12 +35,21 @@ def ref_round(v, fmt):
 
 
 def ref_round_toward_zero(v, fmt):
-    """Round finite float64 ``v`` to the format ``fmt`` toward zero (the package's group scales)."""
+    """Round finite float64 ``v`` to the format ``fmt`` toward zero."""
     mant, emin, _ = fmt
     v = v.double()
     _, e = torch.frexp(v)
     quantum = (torch.clamp(e - 1, min=emin) - mant).double()
     return torch.trunc(v * torch.exp2(-quantum)) * torch.exp2(quantum)
+
+
+def ref_group_scale(absmax):
+    """The bf16 group scale of the companded states (docs/numerics.md, "bf16 group scales") for fp32
+    values ``absmax`` (float64, positive, finite, already clamped): to nearest, or toward zero where
+    nearest is more than 2**-9 above ``absmax`` (that bound one fp32 product, as the package has it)."""
+    nearest = ref_round(absmax, BF16)
+    bound = ref_round(absmax.double() * (1 + 2.0**-9), FP32)
+    return torch.where(nearest <= bound, nearest, ref_round_toward_zero(absmax, BF16))
 
 
 def ulp_log2(v64, fmt):
@@ -70,14 +79,14 @@ def ref_split_encode(x64, n):
 def ref_state_encode(x64, kind):
     """DESIGN §2.2 encode in float64: (codes int64, bf16 scales as float64). Second moments: a positive
     sqrt(v) gets code 1 at least (docs/numerics.md, "Second-moment floor"; the paper rounds it to 0).
-    The scales are bf16, rounded toward zero after a slack of 2**-12, where DESIGN says fp16
-    (docs/numerics.md, "bf16 group scales")."""
+    The scales are bf16 (``ref_group_scale``), where DESIGN says fp16 (docs/numerics.md, "bf16 group
+    scales")."""
     flat = x64.double().reshape(-1)
     groups = torch.cat([flat, flat.new_zeros((-flat.numel()) % GROUP)]).view(-1, GROUP)
     if kind == "sqrt":
         groups = groups.clamp(min=0).sqrt()
-    absmax = ref_round(groups.abs().amax(dim=1) * (1 + 2.0**-12), FP32)  # the slack, one fp32 rounding
-    scale = ref_round_toward_zero(absmax.clamp(torch.tensor(1e-12).item(), BF16[2]), BF16)
+    absmax = ref_round(groups.abs().amax(dim=1), FP32)  # sqrt(v): an fp32 value, as the package's
+    scale = ref_group_scale(absmax.clamp(torch.tensor(1e-12).item(), BF16[2]))
     live = (scale > 0)[:, None]
     u = torch.where(live, groups / torch.where(live, scale[:, None], 1.0), 0.0)
     if kind == "signed":

@@ -139,8 +139,8 @@ def assert_same_bits(a, b):
 
 def assert_within_one_code_step(got, saved, kind):
     """fp32 ``got`` (a multiple of 32 elements) is within one code step of ``saved`` in every group
-    of 32 (DESIGN §2.2), or within the bf16 scale's rounding toward zero where values saturate at
-    the top code (2**-7 of the group's largest): signed, the softsign's steepest step, 2/127 of the
+    of 32 (DESIGN §2.2), or within the bf16 scale's rounding where values saturate at the top code
+    (toward zero: up to 2**-7 of the group's largest): signed, the softsign's steepest step, 2/127 of the
     group's absmax; second moments, 1/255 of the group's largest sqrt(v), in sqrt(v), or 2**-7."""
     got, saved = got.double().reshape(-1, GROUP), saved.double().reshape(-1, GROUP)
     if kind == "signed":

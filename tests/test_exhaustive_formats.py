@@ -10,7 +10,7 @@ half a code step of the value encoded (fp64 reference of DESIGN §2.1 and its on
 prepared model's masters reload without a bit changing.
 
 Companded states: decode then encode gives back every code and every bf16 scale encode stores for
-finite values (from bf16(1e-12) toward zero, the floor where all-zero groups go, up to bf16's largest finite
+finite values (from fp32(1e-12) rounded to bf16, the floor where all-zero groups go, up to bf16's largest finite
 value, or for second moments the largest bf16 whose square is finite), when the group holds the top code
 (so that its absmax is the scale); groups without it come back with the scales saved with them.
 
@@ -35,6 +35,7 @@ from test_formats import (  # noqa: E402
     SPLIT_IDS,
     all_values,
     bits,
+    ref_companded_encode,
     ref_half_ulp_log2,
     ref_round,
     ref_split_encode,
@@ -45,6 +46,7 @@ import flash_inductor  # noqa: E402
 from flash_inductor.formats import companded as cp  # noqa: E402
 from flash_inductor.formats import split_weights as sw  # noqa: E402
 from helpers import EAGER, Net, ref_decode_state, stored_bits  # noqa: E402
+from reference import ref_group_scale  # noqa: E402
 
 INF = float("inf")
 
@@ -416,13 +418,13 @@ def bf16_range(lo_bits, hi_bits):
     return torch.arange(lo_bits, hi_bits + 1, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
 
 
-# The scale of an all-zero group: fp32(1e-12) rounded to bf16 toward zero (its low 16 bits cleared).
-FLOOR_SCALE = (torch.tensor([1e-12]).view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)[0]
+# The scale of an all-zero group: fp32(1e-12) rounded to bf16 (``reference.ref_group_scale``).
+FLOOR_SCALE = ref_group_scale(torch.tensor([1e-12]).double()).to(torch.bfloat16)[0]
 
 
 def scale_bits(kind):
     """Bit patterns of the smallest and largest bf16 scale encode stores for finite values of
-    ``kind`` (from the spec: ``bf16(max(absmax, 1e-12))`` toward zero, absmax in fp32 and clamped to
+    ``kind`` (from the spec: ``bf16(max(absmax, 1e-12))`` by ``ref_group_scale``, absmax in fp32 and clamped to
     the largest scale whose top code decodes finite): ``FLOOR_SCALE``, and the largest scale:
     bf16's largest finite value (signed), or the largest bf16 whose fp32 square is finite (second
     moments decode ``(code / 255 * scale) ** 2``). Checked against encode."""
@@ -457,6 +459,29 @@ def assert_every_code_round_trips(kind, scales):
     assert torch.equal(again_codes, codes)
     ref = ref_decode_state(codes, group_scales, codes.shape, kind)
     assert ((x.double() - ref).abs() <= 6 * 2.0**-24 * ref.abs()).all()
+
+
+@pytest.mark.parametrize("kind", [cp.SIGNED, cp.SQRT])
+def test_companded_scale_of_every_fp32_absmax_between_chosen_bf16_values(kind):
+    """Every fp32 group absmax from a bf16 value to the next (all 2**16 low bit patterns above
+    mantissas 1, 1.5 and 2 - 2**-7, and above the floor's scale): the scale is
+    ``ref_group_scale``'s (to nearest, or toward zero where nearest is more than 2**-9 above), the
+    group's largest value takes the top code, and the codes are the fp64 reference's."""
+    floor_bits = int(bits(FLOOR_SCALE))
+    highs = torch.tensor([0x3F80, 0x3FC0, 0x3FFF, floor_bits], dtype=torch.int32)
+    absmax = ((highs[:, None] << 16) | torch.arange(1 << 16, dtype=torch.int32)).view(torch.float32).view(-1, 1)
+    values = torch.cat([absmax, -absmax / 3, absmax * 0.7, torch.zeros(absmax.shape[0], 29)], 1)
+    x = values.square() if kind == cp.SQRT else values
+    codes, scales = cp.encode(x, kind)
+    ref_codes, ref_scale = ref_companded_encode(x, kind)
+    assert torch.equal(scales.double(), ref_scale)
+    top = 127 if kind == cp.SIGNED else 255
+    assert (codes.view(-1, 32)[:, 0] == top).all()
+    assert (codes.view(-1, 32).long() - ref_codes).abs().max() <= 1
+    # rounded to nearest in most of each binade's spacing, toward zero in the rest
+    coded_max = cp._coded_values(x, kind).amax(dim=1)
+    up = scales.float() > coded_max
+    assert 0.2 < up.float().mean() < 0.5
 
 
 @pytest.mark.parametrize("kind", [cp.SIGNED, cp.SQRT])

@@ -26,7 +26,7 @@ if importlib.util.find_spec("flash_inductor") is None:  # not installed: run fro
 from flash_inductor import _compat  # noqa: E402
 from flash_inductor.formats import companded as cp  # noqa: E402
 from flash_inductor.formats import split_weights as sw  # noqa: E402
-from reference import ref_round_toward_zero  # noqa: E402
+from reference import ref_group_scale  # noqa: E402
 
 # ============================================================================ fp64 references
 
@@ -119,8 +119,8 @@ SCALE_FLOOR32 = f32(torch.tensor(1e-12, dtype=torch.float64))
 def ref_companded_encode(x, kind):
     """(codes [groups, 32] int64, bf16 scales as float64) per DESIGN §2.2, in float64.
 
-    Scale: fp32 absmax times 1 + 2**-12 (fp32), clamped to >= 1e-12, rounded to bf16 toward zero
-    (DESIGN: the absmax to fp16, to nearest;
+    Scale: fp32 absmax, clamped to >= 1e-12, rounded to bf16 by ``reference.ref_group_scale`` (to
+    nearest, or toward zero where nearest is more than 2**-9 above it; DESIGN: the absmax to fp16, to nearest;
     docs/numerics.md, "bf16 group scales"); the codes divide by that stored scale (module docstring). Beyond DESIGN
     (documented in the module and docs/numerics.md): finite absmax above bf16's max saturates to
     it; a group holding inf/nan gets a nan scale and zero codes; a positive sqrt(v) gets code 1 at
@@ -133,7 +133,7 @@ def ref_companded_encode(x, kind):
         groups = f32(torch.sqrt(groups.clamp(min=0)))  # s = sqrt(v), an fp32 value
     absmax = groups.abs().amax(dim=1)
     finite = torch.isfinite(groups).all(dim=1)
-    scale = ref_round_toward_zero(torch.clamp(f32(absmax * (1 + 2.0**-12)), min=float(SCALE_FLOOR32), max=BF16[2]), BF16)
+    scale = ref_group_scale(torch.clamp(absmax, min=float(SCALE_FLOOR32), max=BF16[2]))
     scale = torch.where(finite, scale, torch.full_like(scale, math.nan))
     live = (scale > 0)[:, None]
     u = torch.where(live, groups / torch.where(live, scale[:, None], 1.0), 0.0)
@@ -466,7 +466,7 @@ def test_companded_encode_decode_vs_reference(kind, case):
         assert codes.shape == (groups * 32,) and codes.dtype == CODE_DTYPE[kind]
         assert scales.shape == (groups,) and scales.dtype == torch.bfloat16
         ref_codes, ref_scale = ref_companded_encode(x, kind)
-        assert torch.equal(scales.double(), ref_scale), "bf16 scale != bf16(max(absmax, 1e-12)) toward zero"
+        assert torch.equal(scales.double(), ref_scale), "bf16 scale != ref_group_scale(max(absmax, 1e-12))"
         total_diffs += assert_codes_close(codes, ref_codes, f"{kind} {case} {shape}")
         total += numel
         pad = groups * 32 - numel
@@ -476,8 +476,8 @@ def test_companded_encode_decode_vs_reference(kind, case):
         tail = x.reshape(-1)[(groups - 1) * 32 :].double()
         if kind == cp.SQRT:
             tail = f32(tail.sqrt())
-        tail_max = f32(tail.abs().max() * (1 + 2.0**-12)).clamp(min=float(SCALE_FLOOR32), max=BF16[2])
-        assert scales[-1].item() == ref_round_toward_zero(tail_max, BF16).item()
+        tail_max = tail.abs().max().clamp(min=float(SCALE_FLOOR32), max=BF16[2])
+        assert scales[-1].item() == ref_group_scale(tail_max).item()
 
         dec = cp.decode(codes, scales, shape, kind)
         assert dec.shape == x.shape and dec.dtype == torch.float32
@@ -516,7 +516,7 @@ def test_companded_tiny_and_huge_groups_keep_their_scales():
     """bf16 scales (docs/numerics.md, "bf16 group scales"): groups far below fp16's range keep a
     positive scale and their full range of codes, where fp16 scales rounded to 0 below 2**-25 (the
     group decoded to 0) and kept a few bits below 2**-14; groups far above 65504 are stored too.
-    Only an all-zero group has the floor's scale, bf16(1e-12) toward zero, and codes 0."""
+    Only an all-zero group has the floor's scale, fp32(1e-12) rounded to bf16, and codes 0."""
     g = torch.zeros(8, 32)
     g[1, 3] = 2.0**-26  # fp16 scales: 0
     g[2, 5] = -(2.0**-25)  # fp16 scales: 0 (a tie to even)
@@ -530,8 +530,7 @@ def test_companded_tiny_and_huge_groups_keep_their_scales():
         codes, scales = cp.encode(x, kind)
         ref_codes, ref_scale = ref_companded_encode(x, kind)
         assert torch.equal(scales.double(), ref_scale)
-        floor = (torch.tensor([1e-12]).view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)  # fp32(1e-12) toward zero
-        assert scales[0].item() == floor.item() and (codes.view(8, 32)[0] == 0).all()
+        assert scales[0].item() == ref_group_scale(SCALE_FLOOR32).item() and (codes.view(8, 32)[0] == 0).all()
         # a fresh state (CompandedState.zeros) stores what encoding zeros gives
         assert torch.equal(cp.zero_scales(3).view(torch.int16), cp.encode(torch.zeros(70), kind)[1].view(torch.int16))
         assert (scales[1:].float() > 0).all()
@@ -539,14 +538,15 @@ def test_companded_tiny_and_huge_groups_keep_their_scales():
         dec = cp.decode(codes, scales, x.shape, kind)
         assert torch.equal(dec.double(), ref_companded_decode(codes, scales.double(), kind))
         assert (dec[0] == 0).all()
-        # every group's largest element takes the top code and decodes to the scale: at most the slack
-        # above it, at most the rounding toward zero below it, 2**-12 and 2**-7 relative (v = sqrt(v)**2:
-        # twice as much)
+        # every group's largest element takes the top code and decodes to the scale: at most 2**-9 above
+        # it (rounded up to nearest), at most a bf16 spacing, 2**-7 relative, below it (toward zero;
+        # v = sqrt(v)**2: twice as much)
         top = x.abs().argmax(dim=1)
         rows = torch.arange(8)
         want, got = x[rows, top].abs().double(), dec[rows, top].abs().double()
         power = 1 if kind == cp.SIGNED else 2
-        assert (got <= want * (1 + 2.0**-12) ** power)[1:].all() and (want - got <= want * power * 2.0**-7)[1:].all()
+        assert (codes.view(8, 32)[rows, top].long().abs() == (127 if kind == cp.SIGNED else 255))[1:].all()
+        assert (got <= want * (1 + 2.0**-9 + 2.0**-20) ** power)[1:].all() and (want - got <= want * power * 2.0**-7)[1:].all()
 
 
 def test_companded_beyond_the_largest_scale_saturates():

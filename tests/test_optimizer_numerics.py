@@ -74,7 +74,8 @@ def test_reference_formats_round_trip():
     assert ref_split_decode(hi, lo, 127)[0].item() == 1 + 64 / 127 * 2.0**-8
     v = torch.cat([torch.linspace(-1, 1, 32, dtype=torch.float64), torch.tensor([0.3, -0.1], dtype=torch.float64)])
     codes, scales = ref_state_encode(v, "signed")
-    # partial second group: absmax 0.3 (times 1 + 2**-12) rounded to bf16 toward zero
+    # partial second group: absmax 0.3, whose nearest bf16 (154/512) is 0.26% above it, more than
+    # 2**-9: rounded toward zero instead
     assert scales.tolist() == [1.0, 153 / 512]
     # 0.3 against 0.29883: code 127 (saturated); -0.1: u = -0.33464, y = -0.50146, floor(-63.19) = -64
     assert codes[32:].tolist() == [127, -64] + [0] * 30

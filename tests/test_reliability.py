@@ -263,7 +263,8 @@ def test_a_zero_lr_step_leaves_the_weights_and_advances_the_states_like_stock(cl
     assert len(weights) == 8 and all(torch.equal(after[k], before[k]) for k in weights)
     for p, rp in zip(model.parameters(), ref.parameters()):
         assert float(opt.state[p]["step"]) == 1
-        # within a code step and the top's saturation (bf16 scales toward zero: 2**-7 of sqrt(v), 2**-6 of v)
+        # within a code step and the top's saturation (a bf16 scale rounded toward zero: up to 2**-7 of
+        # sqrt(v), 2**-6 of v)
         for key, tolerance in (("exp_avg", 0.01), ("exp_avg_sq", 0.01 + 2.0**-6)):
             got, want = opt.state[p][key].decode(), ref_opt.state[rp][key]
             assert want.abs().max() > 0 and (got - want).abs().max() <= tolerance * want.abs().max(), key

@@ -69,7 +69,7 @@ def test_emulated_companded_states_are_the_packages():
 
 def test_scale_candidates_keep_or_lose_tiny_groups_as_named():
     """``fp16_scales`` (DESIGN's) decodes groups below fp16's range to zero; ``bf16_scales`` (bf16
-    rounded to nearest, as measured on the H200) and the package (bf16 toward zero) keep every one.
+    rounded to nearest, as measured on the H200) and the package (bf16, mostly to nearest) keep every one.
     Elsewhere the three differ only by their scales' rounding and a code."""
     gen = torch.Generator().manual_seed(2)
     rows = torch.randn(64, 32, generator=gen) * torch.logspace(-12, 2, 64)[:, None]

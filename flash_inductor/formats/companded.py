@@ -2,7 +2,8 @@
 
 DESIGN.md §2.2, with bf16 scales where it says fp16 (below). The tensor is flattened and cut into
 groups of ``GROUP_SIZE`` (a partial last group is padded with zeros); each group stores
-``scale = bf16(max(absmax * (1 + 2**-12), 1e-12))``, rounded toward zero.
+``scale = bf16(max(absmax, 1e-12))``, rounded to nearest, or toward zero where nearest would be more
+than ``SCALE_ROUND_UP_MAX`` (2**-9) above it.
 
 Signed states (momentum, Adam's first moment) use a softsign compander, which spends more codes
 near zero where most values are:
@@ -27,13 +28,17 @@ scale-invariant, so a weight whose gradients are tiny (the lm_head rows of token
 has, whose gradients shrink with their probabilities) still moves a full step in fp32 Adam. With
 fp16 scales such a group's scale loses its bits below 2**-14 and rounds to 0 below 2**-25: its
 moments decode to 0 and the weights stop. bf16 scales take the same two bytes with fp32's exponent
-range. They are rounded toward zero after a slack of 2**-12, so a group's largest value is at least
-``scale / (1 + 2**-12)`` and takes the top code (its decode is the scale, and decoded values
-encode back to the same codes and scale, also where arithmetic put the top value a few ulps low); with
-8 significant bits that saturates values within 2**-7 of the largest (at most two top code steps),
-where fp16's 11 bits kept every group's largest value within a code of the scale anyway. On the
-Llama of docs/benchmarks.md bf16 scales (emulated, rounded to nearest) moved the 300-step loss
-from +2.10% above the baseline's to +0.09% (fp32 states: -0.14%).
+range. They are rounded to nearest, except where that would put the scale more than 2**-9 above the
+group's largest value: there they are rounded toward zero. So that value always takes the top code
+(255 / (1 + 2**-9) > 254.5, and softsign's 127 * 2u / (1 + u) > 126.5 there), and decoded values
+encode back to the same codes and scale, also where arithmetic put the top value a few ulps off.
+Rounding toward zero everywhere (this package's first bf16 scales) biased the second moments low: a
+step's change of sqrt(v) is far below a bf16 spacing (2**-8..2**-7 of it), so the largest value of a
+group never grew by a small step and fell a whole spacing at every small decrease
+(benchmarks/results/state_fidelity_llama_small_towardzero_cpu.log: Adam's update 0.77% too large on
+average where nearest scales make it 0.24%; 3.5% and 1.5% on the lm_head). On the Llama of docs/benchmarks.md bf16 scales
+(emulated, rounded to nearest) moved the 300-step loss from +2.10% above the baseline's to +0.09%
+(fp32 states: -0.14%).
 
 Encoding divides by the *stored* scale, so the codes are relative to exactly what decode
 multiplies by. FlashOptim instead divides by the fp32 absmax and only rounds the scale when
@@ -42,15 +47,15 @@ fp32; tests/test_formats.py checks codes against an fp64 reference (equal, or on
 a rounding boundary) and decode bit for bit against an fp32 op-by-op reference. Decode multiplies by
 ``fp32(1/127)`` / ``fp32(1/255)`` instead of dividing, so it gives the same bits on every device.
 
-Compiling: the scale is rounded by clearing bits, so its cast to bf16 is exact (no
-``emulate_precision_casts`` needed for it). Compiled
+Compiling: the scale is rounded with integer operations on its bits, so its cast to bf16 is exact
+(no ``emulate_precision_casts`` needed for it). Compiled
 codes may differ from eager ones by one at a rounding boundary (Triton's divisions and square roots
 are approximate): the bar is the fp64 reference, within one code.
 
 Edge cases:
 - A partial last group is padded with zeros (codes 0).
 - absmax is clamped to >= 1e-12 in fp32 (DESIGN), a normal bf16: an all-zero group stores scale
-  bf16(1e-12) (toward zero) and codes 0, and decodes to zeros. No finite group underflows.
+  bf16(1e-12) and codes 0, and decodes to zeros. No finite group underflows.
 - Finite absmax beyond the largest scale stores that scale and the codes saturate at +-127 / 255:
   bf16's largest finite value for signed states (fp32's largest would round above it), and for
   second moments the largest bf16 whose square is finite (about 1.84e19; the next one, 2**64,
@@ -68,8 +73,8 @@ SCALE_DTYPE = torch.bfloat16
 SIGNED = "signed"  # int8 softsign codes
 SQRT = "sqrt"  # uint8 linear codes of sqrt(v)
 CODE_DTYPES = {SIGNED: torch.int8, SQRT: torch.uint8}
-# A value this little (relative) below a bf16 scale still rounds to it (``_scales``).
-SCALE_SLACK = 2.0**-12
+# A scale rounds up by at most this much (relative) to the nearest bf16, else toward zero (``_rounded``).
+SCALE_ROUND_UP_MAX = 2.0**-9
 # The largest scale of each kind (module docstring): every decoded value stays finite.
 SCALE_MAX = {SIGNED: torch.finfo(SCALE_DTYPE).max,
              SQRT: torch.tensor([0x5F7F], dtype=torch.int16).view(SCALE_DTYPE).item()}
@@ -91,25 +96,27 @@ def as_groups(x):
 def _scales(groups, kind):
     """bf16 group scales of ``kind``'s coded values and their fp32 value (nan for inf/nan groups)."""
     absmax = groups.abs().amax(dim=1, keepdim=True)  # nan if the group holds a nan
-    scale = _toward_zero((absmax * (1 + SCALE_SLACK)).clamp(min=SCALE_FLOOR, max=SCALE_MAX[kind]))
-    scale = torch.where(torch.isinf(absmax) | torch.isnan(absmax), torch.full_like(scale, float("nan")), scale)
+    finite = torch.isfinite(absmax)
+    # rounded from a finite value only: a nan's bits could overflow the integer rounding
+    scale = _rounded(torch.where(finite, absmax, 1.0).clamp(min=SCALE_FLOOR, max=SCALE_MAX[kind]))
+    scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
     scale = scale.to(SCALE_DTYPE)  # exact
     return scale.view(-1), scale.float()
 
 
-def _toward_zero(scale):
-    """fp32 ``scale`` rounded toward zero to a bf16 value (the low 16 bits cleared).
-
-    After the slack the scale is at most the group's largest value, or 2**-12 above it, so that
-    value takes the top code, and decode then encode gives back every bit even where decode's
-    arithmetic put the top value a few ulps low.
-    """
-    return (scale.view(torch.int32) & -65536).view(torch.float32)
+def _rounded(scale):
+    """fp32 ``scale`` (positive, at most ``SCALE_MAX``) as a bf16 value in fp32: to nearest, ties to
+    even, unless that is more than ``SCALE_ROUND_UP_MAX`` above it, then toward zero (module docstring).
+    Integer operations on the bits, so eager, compiled and Triton code agree bit for bit."""
+    bits = scale.view(torch.int32)
+    nearest = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
+    toward_zero = (bits & -65536).view(torch.float32)
+    return torch.where(nearest <= scale * (1 + SCALE_ROUND_UP_MAX), nearest, toward_zero)
 
 
 def zero_scales(groups, device=None):
-    """The scales ``encode`` gives all-zero groups: the floor, rounded toward zero."""
-    return _toward_zero(torch.full((groups,), SCALE_FLOOR, device=device)).to(SCALE_DTYPE)
+    """The scales ``encode`` gives all-zero groups: the floor, rounded."""
+    return _rounded(torch.full((groups,), SCALE_FLOOR, device=device)).to(SCALE_DTYPE)
 
 
 def _over_scale(x, scale):
