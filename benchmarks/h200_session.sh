@@ -65,7 +65,7 @@
 #              SEED_ARGS: more arguments for every run (e.g. "--steps 120 --lr-warmup 30")
 #   hfllamagraphs issue 14: the Llama's speed with SDPA's is_causal: the baseline against the FP8 rows with
 #              cudagraphs=True (GRAPH_CONFIGS), 60 steps (GRAPH_STEPS), profiled, then 20 steps back to back
-#              (--pipelined); first the GPU tests of CUDA graphs and FP8 (GRAPH_TESTS=0 skips them)
+#              (--pipelined); first the GPU tests of CUDA graphs and FP8 (GRAPH_TESTS=0 skips them); NAME names the output
 #   hfsnapshot issue 14: who holds the memory between steps, HF GPT-2 124M: baseline and flashoptim
 #   llamapeak  issue 14: what the Llama's @train_step (flashoptim, is_causal, 2 x 4096) holds at its steady peak
 #   gptsnapshot   the same for our GPT (train_gpt.py's, 124m shape): flashoptim
@@ -329,7 +329,7 @@ case $stage in
         | grep -v "^DEBUG" > "$out/gpu_tests_cudagraphs_h200.log"
       tail -4 "$out/gpu_tests_cudagraphs_h200.log"
     fi
-    logged hf_clients_llama_graphs_h200 420 hf_clients.py --model llama --attention is_causal \
+    logged "${NAME:-hf_clients_llama_graphs_h200}" 420 hf_clients.py --model llama --attention is_causal \
       --configs "${GRAPH_CONFIGS:-baseline,flashoptim_fp8+cudagraphs,flashoptim_fp8+fp32act+cudagraphs}" --steps "${GRAPH_STEPS:-60}" \
       --log-every 20 --pipelined 20 --profile "${GRAPH_PROFILE:-3}"
     ;;

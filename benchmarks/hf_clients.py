@@ -34,6 +34,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
     +masters32          32-bit masters (prepare's master_weight_bits=32: an int16 error term)
     +fastaccum          the FP8 forward GEMMs in the tensor cores' fast accumulation (fp8_fast_accum=True),
                         torchao's default for that GEMM
+    +delayed            FP8 rows: delayed scaling (fp8="delayed"; scales from amax histories, so a cast needs no
+                        pass over its tensor before it)
     +regional           train_step's regional=True: the decoder layers compiled one by one, the rest eager
                         (with flashoptim_release: each layer's gradients applied and freed as its backward ends)
     +checkpoint         Hugging Face's activation checkpointing (gradient_checkpointing_enable, non-reentrant):
@@ -296,7 +298,7 @@ def fp8_options(args):
 
 
 def build_flashoptim_fp8(model, args, **options):
-    return build_flashoptim(model, args, **fp8_options(args), **options)
+    return build_flashoptim(model, args, **{**fp8_options(args), **options})  # +delayed replaces "tensorwise"
 
 
 def build_flashoptim_fp8_fp32states(model, args, **options):
@@ -380,6 +382,7 @@ MODIFIERS = {
     "fp8lmstates": dict(state_format="fp8lm"),
     "masters32": dict(master_weight_bits=32),
     "fastaccum": dict(fp8_fast_accum=True),
+    "delayed": dict(fp8="delayed"),
     "regional": dict(regional=True),
     "checkpoint": dict(activation_checkpointing=True),
     "eager": dict(compiler="eager"),

@@ -7,6 +7,7 @@ import math
 import random
 import statistics
 import sys
+import types
 
 import pytest
 import torch
@@ -257,9 +258,15 @@ def test_attention_option_decides_whether_compiled_sdpa_gets_a_mask(bench, fresh
     torch.testing.assert_close(loss, bench.lm_loss(model, x, x), rtol=1e-6, atol=0)
 
 
-def test_configuration_modifiers_are_backend_options_of_the_flashoptim_rows(bench):
+def test_configuration_modifiers_are_backend_options_of_the_flashoptim_rows(bench, monkeypatch):
     builder, options = bench.parse_configuration("flashoptim_fp8+cudagraphs")
     assert builder is bench.build_flashoptim_fp8 and options == {"cudagraphs": True}
+    # +delayed replaces the FP8 rows' tensorwise scaling, keeping their exclusions
+    built = {}
+    monkeypatch.setattr(bench, "build_flashoptim", lambda model, args, **kw: built.update(kw))
+    builder, options = bench.parse_configuration("flashoptim_fp8+delayed")
+    builder(None, types.SimpleNamespace(model="llama", size="full", fp8_exclude=()), **options)
+    assert built == {"fp8": "delayed", "fp8_exclude": bench.FP8_EXCLUDE["llama"]}
     builder, options = bench.parse_configuration("flashoptim_fp8+fastaccum+fp32states")
     assert builder is bench.build_flashoptim_fp8 and options == {"fp8_fast_accum": True, "state_bits": None}
     builder, options = bench.parse_configuration("baseline+foreach")
