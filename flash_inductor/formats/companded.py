@@ -36,9 +36,10 @@ Rounding toward zero everywhere (this package's first bf16 scales) biased the se
 step's change of sqrt(v) is far below a bf16 spacing (2**-8..2**-7 of it), so the largest value of a
 group never grew by a small step and fell a whole spacing at every small decrease
 (benchmarks/results/state_fidelity_llama_small_towardzero_cpu.log: Adam's update 0.77% too large on
-average where nearest scales make it 0.24%; 3.5% and 1.5% on the lm_head). On the Llama of docs/benchmarks.md bf16 scales
-(emulated, rounded to nearest) moved the 300-step loss from +2.10% above the baseline's to +0.09%
-(fp32 states: -0.14%).
+average where nearest scales make it 0.24%; 3.5% and 1.5% on the lm_head). On the Llama of
+docs/benchmarks.md the 300-step loss ended +2.10% above the baseline's with fp16 scales, +0.82%
+with bf16 ones rounded toward zero and +0.39% with this rounding (means over seven or eight seeds;
+fp32 states: -0.14%).
 
 Encoding divides by the *stored* scale, so the codes are relative to exactly what decode
 multiplies by. FlashOptim instead divides by the fp32 absmax and only rounds the scale when
