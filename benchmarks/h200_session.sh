@@ -138,6 +138,11 @@ logged() {
   shift 3
   timeout "$limit" python "benchmarks/$script" "$@" --out "$out/$name.json" 2>&1 | tee "$out/$name.log"
 }
+# companded_gpu_tests NAME: every GPU test of the companded and FP8-LM steps and of gradient release, into $out/NAME.log
+companded_gpu_tests() {
+  timeout 330 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8lm_states.py tests/test_gradient_release.py \
+    2>&1 | grep -v "^DEBUG" > "$out/$1.log"
+}
 
 case $stage in
   final13)
@@ -471,8 +476,7 @@ case $stage in
   bf16scales)
     # the companded states' bf16 group scales (issue 14) with the kernels themselves: every GPU test of the
     # companded and FP8-LM steps, then the step alone on the 1.2B GPT's tensors
-    timeout 330 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8lm_states.py tests/test_gradient_release.py \
-      2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_bf16scales_h200.log"
+    companded_gpu_tests gpu_tests_bf16scales_h200
     tail -6 "$out/gpu_tests_bf16scales_h200.log"
     logged optimizer_step_bf16scales_h200 200 optimizer_step.py --lists gpt_1b --configs torch_fused_fp32,torch_fused_bf16,flashoptim,flashoptim_fp8lmstates,flashoptim_pypi
     ;;
@@ -484,8 +488,7 @@ case $stage in
       logged optimizer_step_nearestscales_h200 150 optimizer_step.py --lists gpt_1b --configs torch_fused_fp32,torch_fused_bf16,flashoptim
     else
       # the tests barely load the GPU: beside the gradient check, which times nothing
-      timeout 330 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8lm_states.py tests/test_gradient_release.py \
-        2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_nearestscales_h200.log" &
+      companded_gpu_tests gpu_tests_nearestscales_h200 &
       logged fp8_gradient_check_llama_h200 520 fp8_gradient_check.py --model llama --size full --pretrain 50
       wait
       tail -6 "$out/gpu_tests_nearestscales_h200.log"

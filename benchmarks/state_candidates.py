@@ -18,8 +18,8 @@ per-tensor formats need those), and returns fp32 rows.
     fp16_scales        the package's codes against fp16 group scales: DESIGN §2.2's and FlashOptim's scales,
                        the package's before issue 14's measurements
     bf16_scales        the same against bf16 group scales rounded to nearest, as measured; the package's
-                       format rounds them so only where that keeps the top code (so that decode then encode
-                       keeps every bit), else toward zero: within a code step and the scale's rounding of
+                       format rounds them to nearest only where that keeps the top code (so that decode then
+                       encode keeps every bit), else toward zero: within a code step and the scale's rounding of
                        this (tests/test_state_candidates.py)
 
 The proposals (root4_v, sr_v, sr, e4m3_m, e4m3_m_root4_v) keep fp16 group scales, as measured.
