@@ -34,6 +34,14 @@ def ref_round(v, fmt):
     return torch.where(finite, r, v)
 
 
+def f32(v):
+    """An fp32 operation's result from its exact float64 result (innocuous double rounding)."""
+    return ref_round(v, FP32)
+
+
+SCALE_FLOOR32 = f32(torch.tensor(1e-12, dtype=torch.float64))  # the smallest companded scale's fp32 floor
+
+
 def ref_round_toward_zero(v, fmt):
     """Round finite float64 ``v`` to the format ``fmt`` toward zero."""
     mant, emin, _ = fmt
@@ -76,24 +84,31 @@ def ref_split_encode(x64, n):
     return hi, lo.long(), k
 
 
-def ref_state_encode(x64, kind):
-    """DESIGN §2.2 encode in float64: (codes int64, bf16 scales as float64). Second moments: a positive
-    sqrt(v) gets code 1 at least (docs/numerics.md, "Second-moment floor"; the paper rounds it to 0).
-    The scales are bf16 (``ref_group_scale``), where DESIGN says fp16 (docs/numerics.md, "bf16 group
-    scales")."""
-    flat = x64.double().reshape(-1)
+def ref_companded_encode(x, kind):
+    """DESIGN §2.2 encode of fp32 states ``x`` (float64 values of fp32 states; signed first moments,
+    kind "signed", or second moments, kind "sqrt"), in float64: (codes [groups, 32] int64, bf16
+    scales as float64), the last group zero-padded.
+
+    Scale: the group's absmax (of s = fp32 sqrt(v) for second moments), clamped to [fp32 1e-12,
+    bf16's max], rounded to bf16 by ``ref_group_scale`` (DESIGN: fp16, to nearest; docs/numerics.md,
+    "bf16 group scales"); the codes divide by that stored scale. Beyond DESIGN (docs/numerics.md):
+    finite absmax above bf16's max saturates to it; a group holding inf/nan gets a nan scale and
+    zero codes; a positive sqrt(v) gets code 1 at least ("Second-moment floor"; the paper rounds it
+    to 0)."""
+    flat = f32(x.double().reshape(-1))
     groups = torch.cat([flat, flat.new_zeros((-flat.numel()) % GROUP)]).view(-1, GROUP)
     if kind == "sqrt":
-        groups = groups.clamp(min=0).sqrt()
-    absmax = ref_round(groups.abs().amax(dim=1), FP32)  # sqrt(v): an fp32 value, as the package's
-    scale = ref_group_scale(absmax.clamp(torch.tensor(1e-12).item(), BF16[2]))
+        groups = f32(torch.sqrt(groups.clamp(min=0)))
+    finite = torch.isfinite(groups).all(dim=1)
+    scale = ref_group_scale(torch.clamp(groups.abs().amax(dim=1), min=float(SCALE_FLOOR32), max=BF16[2]))
+    scale = torch.where(finite, scale, torch.full_like(scale, math.nan))
     live = (scale > 0)[:, None]
     u = torch.where(live, groups / torch.where(live, scale[:, None], 1.0), 0.0)
     if kind == "signed":
         q = torch.floor(127 * (2 * u / (1 + u.abs())) + 0.5).clamp(-127, 127)
     else:
         q = torch.where(u > 0, torch.floor(255 * u + 0.5).clamp(1, 255), 0.0)  # positive sqrt(v): code >= 1
-    return q.long().view(-1), scale
+    return q.long(), scale
 
 
 def ref_tensor_scaled_encode(x64, fmt, floor):

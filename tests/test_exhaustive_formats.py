@@ -30,14 +30,11 @@ if importlib.util.find_spec("flash_inductor") is None:  # not installed: run fro
 from test_formats import (  # noqa: E402
     CODE_MAX,
     FORMAT,
-    FP32,
     SPLIT_CASES,
     SPLIT_IDS,
     all_values,
     bits,
-    ref_companded_encode,
     ref_half_ulp_log2,
-    ref_round,
     ref_split_encode,
     ulp32,
 )
@@ -46,9 +43,7 @@ import flash_inductor  # noqa: E402
 from flash_inductor.formats import companded as cp  # noqa: E402
 from flash_inductor.formats import split_weights as sw  # noqa: E402
 from helpers import EAGER, Net, ref_decode_state, stored_bits  # noqa: E402
-from reference import ref_group_scale  # noqa: E402
-
-INF = float("inf")
+from reference import FP32, INF, ref_companded_encode, ref_group_scale, ref_round  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -26,14 +26,19 @@ if importlib.util.find_spec("flash_inductor") is None:  # not installed: run fro
 from flash_inductor import _compat  # noqa: E402
 from flash_inductor.formats import companded as cp  # noqa: E402
 from flash_inductor.formats import split_weights as sw  # noqa: E402
-from reference import ref_group_scale  # noqa: E402
+from reference import (  # noqa: E402
+    BF16,
+    FP16,
+    INF,
+    SCALE_FLOOR32,
+    f32,
+    ref_companded_encode,
+    ref_group_scale,
+    ref_round,
+)
 
 # ============================================================================ fp64 references
 
-# (mantissa bits, exponent of the smallest normal = 1 - bias, largest finite value)
-BF16 = (7, -126, (2 - 2.0**-7) * 2.0**127)
-FP16 = (10, -14, 65504.0)
-FP32 = (23, -126, (2 - 2.0**-23) * 2.0**127)
 FORMAT = {torch.bfloat16: BF16, torch.float16: FP16}
 CODE_MAX = {torch.int8: 127, torch.int16: 32767}
 SPLIT_CASES = [
@@ -43,27 +48,6 @@ SPLIT_CASES = [
     (torch.float16, torch.int16),
 ]
 SPLIT_IDS = ["bf16-int8", "bf16-int16", "fp16-int8", "fp16-int16"]
-INF = float("inf")
-
-
-def ref_round(v, fmt):
-    """Round float64 tensor ``v`` to the format ``fmt``: nearest, ties to even, overflow to inf."""
-    mant, emin, fmax = fmt
-    v = v.double()
-    finite = torch.isfinite(v)
-    vf = torch.where(finite, v, torch.zeros_like(v))
-    _, e = torch.frexp(vf)  # vf = m * 2**e with 0.5 <= |m| < 1: unbiased exponent e - 1
-    quantum = (torch.clamp(e - 1, min=emin) - mant).double()  # log2 of the spacing at vf
-    r = torch.round(vf * torch.exp2(-quantum)) * torch.exp2(quantum)  # exact scalings; half-even
-    r = torch.where(r.abs() > fmax, torch.copysign(torch.full_like(r, INF), vf), r)
-    return torch.where(finite, r, v)
-
-
-def f32(v):
-    """An fp32 operation's result from its exact float64 result (innocuous double rounding)."""
-    return ref_round(v, FP32)
-
-
 def ref_half_ulp_log2_scalar(v, fmt):
     """``e - m - 1`` (DESIGN §2.1) for one finite Python float ``v`` of format ``fmt``."""
     mant, emin, _ = fmt
@@ -111,38 +95,6 @@ def ulp32(v64):
     """Spacing of fp32 at |v| (2**-149 in the subnormal range)."""
     _, e = torch.frexp(v64)
     return torch.exp2((torch.clamp(e - 1, min=-126) - 23).double())
-
-
-SCALE_FLOOR32 = f32(torch.tensor(1e-12, dtype=torch.float64))
-
-
-def ref_companded_encode(x, kind):
-    """(codes [groups, 32] int64, bf16 scales as float64) per DESIGN §2.2, in float64.
-
-    Scale: fp32 absmax, clamped to >= 1e-12, rounded to bf16 by ``reference.ref_group_scale`` (to
-    nearest, or toward zero where nearest is more than 2**-9 above it; DESIGN: the absmax to fp16, to nearest;
-    docs/numerics.md, "bf16 group scales"); the codes divide by that stored scale (module docstring). Beyond DESIGN
-    (documented in the module and docs/numerics.md): finite absmax above bf16's max saturates to
-    it; a group holding inf/nan gets a nan scale and zero codes; a positive sqrt(v) gets code 1 at
-    least (the second-moment floor).
-    """
-    flat = x.double().reshape(-1)
-    pad = (-flat.numel()) % 32
-    groups = torch.cat([flat, flat.new_zeros(pad)]).view(-1, 32)
-    if kind == cp.SQRT:
-        groups = f32(torch.sqrt(groups.clamp(min=0)))  # s = sqrt(v), an fp32 value
-    absmax = groups.abs().amax(dim=1)
-    finite = torch.isfinite(groups).all(dim=1)
-    scale = ref_group_scale(torch.clamp(absmax, min=float(SCALE_FLOOR32), max=BF16[2]))
-    scale = torch.where(finite, scale, torch.full_like(scale, math.nan))
-    live = (scale > 0)[:, None]
-    u = torch.where(live, groups / torch.where(live, scale[:, None], 1.0), 0.0)
-    if kind == cp.SIGNED:
-        y = 2 * u / (1 + u.abs())
-        q = torch.floor(127 * y + 0.5).clamp(-127, 127)
-    else:
-        q = torch.where(u > 0, torch.floor(255 * u + 0.5).clamp(1, 255), 0.0)  # positive sqrt(v): code >= 1
-    return q.long(), scale
 
 
 def ref_companded_decode(codes, scale64, kind):
