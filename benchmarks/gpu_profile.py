@@ -26,7 +26,7 @@ def kernel_times(fn, top=4):
 def step_profile(fn, calls=5, top=25):
     """Where ``calls`` calls of ``fn`` (a train step that waits for its result) spend their time, per
     call: wall ms, GPU busy ms (kernel time summed; one stream), the ``top`` GPU kernels and the
-    ``top`` CPU operators by self time, as (name's last 60 characters, calls, µs per step). A wall
+    ``top`` CPU operators by self time, as (name's last 100 characters, calls, µs per step). A wall
     time well above GPU busy means the step waits on the CPU (launches, Python, guards)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -39,7 +39,7 @@ def step_profile(fn, calls=5, top=25):
     cpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU), key=lambda e: -e.self_cpu_time_total)
 
     def rows(chosen, total):
-        return [(e.key[-60:], e.count // calls, round(total(e) / calls, 1)) for e in chosen[:top]]
+        return [(e.key[-100:], e.count // calls, round(total(e) / calls, 1)) for e in chosen[:top]]
 
     return dict(wall_ms=round(wall_ms, 3), gpu_busy_ms=round(sum(e.device_time_total for e in gpu) / calls / 1e3, 3),
                 gpu_kernels=rows(gpu, lambda e: e.device_time_total), cpu_self=rows(cpu, lambda e: e.self_cpu_time_total))

@@ -111,6 +111,9 @@
 #   nearestscales issue 14: the companded states' bf16 scales rounded to nearest where that keeps the top code: every
 #              GPU test of the companded and FP8-LM steps, beside fp8grads (one step's FP8 gradients on the Llama); with
 #              PART=step the step alone on the 1.2B GPT's tensors; their loss: hfllamaseeds with RUNS="flashoptim:0 ..."
+#   fp8kernels issue 14: where the FP8 step's GPU time goes, kernel by kernel, on the Llama cut to 2 layers (the full
+#              model's layer shapes; CONFIGS picks rows), with Inductor's code of every graph (gzipped), which
+#              names each kernel of the profile
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -493,6 +496,13 @@ case $stage in
       wait
       tail -6 "$out/gpu_tests_nearestscales_h200.log"
     fi
+    ;;
+  fp8kernels)
+    export TORCH_LOGS=output_code TORCH_LOGS_OUT="$out/${NAME:-hf_clients_llama2l_kernels_h200}_code.log"
+    logged "${NAME:-hf_clients_llama2l_kernels_h200}" 400 hf_clients.py --model llama --layers 2 --attention is_causal \
+      --configs "${CONFIGS:-baseline,flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+fastaccum+delayed+cudagraphs}" \
+      --steps 30 --warmup 10 --log-every 10 --profile 3 --profile-top 80
+    gzip -f "$TORCH_LOGS_OUT"
     ;;
   statefidelity)
     logged state_fidelity_llama_h200 560 state_fidelity.py --model llama --steps "${FIDELITY_STEPS:-300}" \

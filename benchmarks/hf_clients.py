@@ -75,6 +75,8 @@ row's starting point.
     python benchmarks/hf_clients.py --model gpt2 --size tiny --steps 20 --device cpu     # CPU smoke run
     python benchmarks/hf_clients.py --model llama --size small --device cpu --configs baseline,flashoptim,flashoptim_fp8
     python benchmarks/hf_clients.py --model llama --size small --device cpu --configs flashoptim_fp8 --fp8-exclude '*.mlp.*'
+    python benchmarks/hf_clients.py --model llama --layers 2 --attention is_causal --steps 30 --profile 3 --profile-top 80 \\
+        --configs baseline,flashoptim_fp8+fastaccum+cudagraphs   # CUDA: one layer's kernels, the full model's shapes
 
     python benchmarks/hf_clients.py --model gpt2 --out benchmarks/results/hf_clients_gpt2_h200.json
     python benchmarks/hf_clients.py --model llama --configs baseline,flashoptim,flashoptim_fp8 \\
@@ -169,8 +171,9 @@ def attention_implementation(attention):
     return CAUSAL_SDPA
 
 
-def model_config(name, size, seq, attention="mask"):
-    """The model's config: a transformers config, or train_gpt's GPTConfig for ``gpt``."""
+def model_config(name, size, seq, attention="mask", layers=None):
+    """The model's config: a transformers config, or train_gpt's GPTConfig for ``gpt``; ``layers``
+    replaces the size's number of layers (transformers models)."""
     if name == "gpt":
         return dataclasses.replace(GPT_SIZES["124m" if size == "full" else "tiny"][0], seq=seq)
     if transformers is None:
@@ -178,6 +181,7 @@ def model_config(name, size, seq, attention="mask"):
     common = dict(use_cache=False, attn_implementation=attention_implementation(attention))
     if name == "gpt2":
         shape = {} if size == "full" else dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
+        shape |= {} if layers is None else dict(n_layer=layers)
         return transformers.GPT2Config(**shape, n_positions=max(seq, 1024 if size == "full" else seq),
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common)
     shape = {
@@ -188,6 +192,7 @@ def model_config(name, size, seq, attention="mask"):
         "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      vocab_size=1000, bos_token_id=0, eos_token_id=0),
     }[size]
+    shape |= {} if layers is None else dict(num_hidden_layers=layers)
     return transformers.LlamaConfig(**shape, max_position_embeddings=seq, **common)
 
 
@@ -534,7 +539,7 @@ def run_configuration(name, corpus, args, device, start_bytes):
         r.update(pipelined_timing(setup, corpus, starts, args, device))
     if args.profile and cuda:
         x, y = batch(corpus.train, starts[-1], args.seq)
-        r["profile"] = step_profile(lambda: setup.step(x, y).item(), calls=args.profile)
+        r["profile"] = step_profile(lambda: setup.step(x, y).item(), calls=args.profile, top=args.profile_top)
         print_profile(r["profile"])
     components = memory_components(setup)
     num_params = sum(p.numel() for p in setup.model.parameters())
@@ -722,6 +727,8 @@ def parse_args(argv):
                              f"{'+'.join(BASELINE_MODIFIERS)}")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=10, help="steps before the timed, steady-state ones")
+    parser.add_argument("--layers", type=int, help="transformers models: this many decoder layers instead of the size's "
+                        "(a profile of one layer's kernels compiles in less time)")
     parser.add_argument("--batch", type=int, help="sequences per step (default: the model's)")
     parser.add_argument("--seq", type=int, help="tokens per sequence (default: the model's)")
     parser.add_argument("--lr", type=float, help="peak AdamW learning rate (default: the model's)")
@@ -745,6 +752,8 @@ def parse_args(argv):
                              "with the targets, the table and the plots (--plot)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="CUDA: after training, profile N more steps (wall vs GPU busy time, top kernels and CPU operators)")
+    parser.add_argument("--profile-top", type=int, default=25, metavar="K",
+                        help="--profile lists the K longest kernels and operators")
     parser.add_argument("--snapshot", metavar="DIR", help="CUDA: memory snapshot of each configuration instead of training")
     parser.add_argument("--snapshot-entries", type=int, default=100_000, help="allocator events kept by the snapshot")
     args = parser.parse_args(argv)
@@ -755,6 +764,8 @@ def parse_args(argv):
             parser.error(str(e))
     if args.snapshot and not args.device.startswith("cuda"):
         parser.error("--snapshot needs a CUDA GPU: it records the CUDA caching allocator's history")
+    if args.layers is not None and args.model == "gpt":
+        parser.error("--layers is for the transformers models (gpt2, llama)")
     if args.size not in DEFAULTS[args.model]:
         parser.error(f"--size {args.size} is for {[m for m, sizes in DEFAULTS.items() if args.size in sizes]}")
     default_batch, default_seq, default_lr = DEFAULTS[args.model][args.size]
@@ -762,7 +773,7 @@ def parse_args(argv):
     args.lr_warmup = args.lr_warmup or max(1, args.steps // 10)
     args.plot_prefix = f"hf_{args.model}_" if args.plot_prefix is None else args.plot_prefix
     if not args.report_from:
-        args.config = model_config(args.model, args.size, args.seq, args.attention)
+        args.config = model_config(args.model, args.size, args.seq, args.attention, args.layers)
     return args
 
 

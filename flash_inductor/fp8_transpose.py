@@ -12,6 +12,12 @@ first run of 2026-12-02), where the same RMSNorm backward without the copy took 
 and fuses nothing into it, so ``t`` is stored row by row where it is produced, and the copy moves
 square tiles (Triton stages each tile through shared memory, so reads and writes are both whole
 lines). On the CPU it is the plain transposed copy (Inductor fuses it there as it likes).
+
+Known cost (the H200's Inductor code, docs/benchmarks.md, twenty-second session): the tensor is
+stored twice, once for ``_scaled_mm`` and once for this kernel, because Inductor lowers each with
+fixed strides for an input not yet realized and each lowering makes its own copy. Written as
+``t().contiguous()`` instead, AOTAutograd recomputed the input's copy in backward and Inductor fused
+it into the RMSNorm backward again (the Llama 0.94x the baseline's speed, against 1.18-1.21x).
 """
 
 import functools

@@ -239,6 +239,18 @@ def test_plots_or_a_note_without_matplotlib(bench, tmp_path, monkeypatch, capsys
     assert sorted(p.name for p in paths) == ["x_loss.png", "x_memory.png"] and all(p.stat().st_size > 0 for p in paths)
 
 
+@pytest.mark.parametrize("model, size", [("gpt2", "tiny"), ("llama", "small")])
+def test_layers_option_cuts_the_model_to_that_many_decoder_layers(bench, model, size):
+    """``--layers N`` (a kernel profile of the full model's layer shapes): the size's shapes, N layers."""
+    full, cut = bench.model_config(model, size, 32), bench.model_config(model, size, 32, layers=1)
+    assert full.num_hidden_layers > 1 and cut.num_hidden_layers == 1
+    assert cut.hidden_size == full.hidden_size and cut.vocab_size == full.vocab_size
+    assert len(bench.build_model(model, cut).get_decoder().layers if model == "llama"
+               else bench.build_model(model, cut).transformer.h) == 1
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "gpt", "--layers", "1", "--device", "cpu"])
+
+
 @pytest.mark.parametrize("attention, masked", [("mask", True), ("is_causal", False)])
 def test_attention_option_decides_whether_compiled_sdpa_gets_a_mask(bench, fresh_dynamo, attention, masked):
     """Under Dynamo transformers hands SDPA an explicit causal mask (before torch 2.14); ``--attention
