@@ -843,7 +843,8 @@ def seed_summary(runs):
     standard deviation, and each seed's difference from the baseline run with the same seed (the
     same initial weights and batches), and its mean against the baseline's over the seeds both ran;
     with the mean of the seed-by-seed differences and its 95% interval (how far seeds let a gap of
-    this many seeds be told apart from the 1% target)."""
+    this many seeds be told apart from the 1% target), and their median (which one seed's loss
+    spike, in the row or in its baseline, does not move)."""
     losses = {}
     for key, r in runs.items():
         name, seed = parse_run_key(key)
@@ -862,7 +863,9 @@ def seed_summary(runs):
             # Over the seeds both ran: seeds differ by more than the rows do.
             summary[name]["mean_vs_baseline_mean"] = (statistics.mean(by_seed[s] for s in shared)
                                                       / statistics.mean(base[s] for s in shared) - 1)
-            summary[name]["vs_baseline_by_seed_mean_ci95"] = mean_interval([by_seed[s] / base[s] - 1 for s in shared])
+            gaps = [by_seed[s] / base[s] - 1 for s in shared]
+            summary[name]["vs_baseline_by_seed_mean_ci95"] = mean_interval(gaps)
+            summary[name]["vs_baseline_by_seed_median"] = statistics.median(gaps)
     return summary
 
 
@@ -870,14 +873,15 @@ def print_seed_summary(summary):
     if not summary:
         return
     rows = [("configuration", "seeds", "last-50 loss by seed", "mean ± std", "vs baseline's mean (same seeds)",
-             "vs baseline, seed by seed", "their mean [95% interval]")]
+             "vs baseline, seed by seed", "their mean [95% interval]", "their median")]
     for name, s in summary.items():
         rel = s.get("mean_vs_baseline_mean")
-        interval = s.get("vs_baseline_by_seed_mean_ci95")
+        interval, median = s.get("vs_baseline_by_seed_mean_ci95"), s.get("vs_baseline_by_seed_median")
         rows.append((name, ",".join(s["last50_loss_by_seed"]), " ".join(f"{v:.4f}" for v in s["last50_loss_by_seed"].values()),
                      f"{s['mean']:.4f} ± {s['std']:.4f}", "" if rel is None else f"{rel * 100:+.2f}%",
                      " ".join(f"{v * 100:+.2f}%" for v in s["vs_baseline_by_seed"].values()),
-                     "" if interval is None else "{:+.2f}% [{:+.2f}, {:+.2f}]".format(*(v * 100 for v in interval))))
+                     "" if interval is None else "{:+.2f}% [{:+.2f}, {:+.2f}]".format(*(v * 100 for v in interval)),
+                     "" if median is None else f"{median * 100:+.2f}%"))
     print()
     print_aligned(rows)
 

@@ -104,6 +104,7 @@ def test_runs_of_other_seeds_merge_into_a_summary_over_seeds(bench, tmp_path):
     half = 4.303 * statistics.stdev(gaps) / math.sqrt(3)  # Student's t, 2 degrees of freedom, 97.5%
     assert summary["vs_baseline_by_seed_mean_ci95"] == pytest.approx(
         (statistics.mean(gaps), statistics.mean(gaps) - half, statistics.mean(gaps) + half))
+    assert summary["vs_baseline_by_seed_median"] == pytest.approx(1.97 / 1.96 - 1)  # of +2%, -0.95%, +0.51%
     target = merged["targets"]["flashoptim"]
     # Seed 0 alone misses the 1% (+2%); the means over three seeds are within it.
     assert target["last50_loss_vs_baseline"] == pytest.approx(0.02)
