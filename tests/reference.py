@@ -60,6 +60,9 @@ def ref_group_scale(absmax):
     return torch.where(nearest <= bound, nearest, ref_round_toward_zero(absmax, BF16))
 
 
+FLOOR_SCALE = ref_group_scale(SCALE_FLOOR32).to(torch.bfloat16)  # an all-zero group's scale (0-d, bf16)
+
+
 def ulp_log2(v64, fmt):
     """log2 of the spacing of format ``fmt`` at |v| (finite v)."""
     mant, emin, _ = fmt

@@ -43,7 +43,7 @@ import flash_inductor  # noqa: E402
 from flash_inductor.formats import companded as cp  # noqa: E402
 from flash_inductor.formats import split_weights as sw  # noqa: E402
 from helpers import EAGER, Net, ref_decode_state, stored_bits  # noqa: E402
-from reference import FP32, INF, ref_companded_encode, ref_group_scale, ref_round  # noqa: E402
+from reference import FLOOR_SCALE, FP32, INF, ref_companded_encode, ref_round  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -411,10 +411,6 @@ def groups_with_every_code(kind):
 def bf16_range(lo_bits, hi_bits):
     """The bf16 values of the bit patterns ``lo_bits`` .. ``hi_bits``, both included."""
     return torch.arange(lo_bits, hi_bits + 1, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-
-
-# The scale of an all-zero group: fp32(1e-12) rounded to bf16 (``reference.ref_group_scale``).
-FLOOR_SCALE = ref_group_scale(torch.tensor([1e-12]).double()).to(torch.bfloat16)[0]
 
 
 def scale_bits(kind):
