@@ -13,11 +13,12 @@ and fuses nothing into it, so ``t`` is stored row by row where it is produced, a
 square tiles (Triton stages each tile through shared memory, so reads and writes are both whole
 lines). On the CPU it is the plain transposed copy (Inductor fuses it there as it likes).
 
-Known cost (the H200's Inductor code, docs/benchmarks.md, twenty-second session): the tensor is
-stored twice, once for ``_scaled_mm`` and once for this kernel, because Inductor lowers each with
-fixed strides for an input not yet realized and each lowering makes its own copy. Written as
+Its input is stored once: Inductor would otherwise store it twice, once for this kernel and once
+for ``_scaled_mm``, because this kernel's lowering copies an input not yet realized
+(``passes/fp8_transpose_source.py`` reads it through a view that realizes it first). Written as
 ``t().contiguous()`` instead, AOTAutograd recomputed the input's copy in backward and Inductor fused
-it into the RMSNorm backward again (the Llama 0.94x the baseline's speed, against 1.18-1.21x).
+it into the RMSNorm backward again (the Llama 0.94x the baseline's speed, against 1.18-1.21x;
+docs/benchmarks.md, twenty-second session).
 """
 
 import functools
@@ -43,6 +44,18 @@ def _kernel():
         tl.store(dst + c[None, :] * rows + r[:, None], tile, mask=inside)
 
     return transpose_kernel
+
+
+def transpose_calls(graph):
+    """The calls of ``transpose_kernel`` in a post-grad graph: AOTAutograd turns each ``transpose_fp8``
+    into a ``triton_kernel_wrapper_functional`` node that names the kernel by its side-table index."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
+
+    calls = [n for n in graph.nodes if n.op == "call_function" and n.target is triton_kernel_wrapper_functional]
+    if not calls:  # (Triton is imported only when there are Triton calls)
+        return []
+    kernel = _kernel()
+    return [n for n in calls if kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) is kernel]
 
 
 def transpose_fp8(t: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from .fp8_collectives import fp8_collectives_pass
 from .fp8_gradients import fp8_gradients_pass
 from .fp8_linear import fp8_linear_pass
 from .fp8_transpose_cse import fp8_transpose_cse_pass
+from .fp8_transpose_source import fp8_transpose_source_pass
 from .fp32_hyperparameters import fp32_hyperparameters_pass
 from .fp64_step_powers import fp64_step_powers_pass
 from .split_weights import split_weights_pass
@@ -36,7 +37,11 @@ TORCH_PASSES = (
     GraphPass("fp8_linear", TORCH, fp8_linear_pass),
     GraphPass("fp8_collectives", TORCH, fp8_collectives_pass),
 )
-ATEN_PASSES = (GraphPass("fp8_transpose_cse", ATEN, fp8_transpose_cse_pass),)
+# fp8_transpose_cse first: the source of each merged call is then stored once for all of them.
+ATEN_PASSES = (
+    GraphPass("fp8_transpose_cse", ATEN, fp8_transpose_cse_pass),
+    GraphPass("fp8_transpose_source", ATEN, fp8_transpose_source_pass),
+)
 ALL_PASSES = TORCH_PASSES + ATEN_PASSES
 
 __all__ = ["ALL_PASSES", "ATEN", "ATEN_PASSES", "TORCH", "TORCH_PASSES", "GraphPass"]

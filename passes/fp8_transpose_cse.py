@@ -36,7 +36,7 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
 from flash_inductor import fp8_transpose
 
@@ -46,13 +46,9 @@ _EMPTY = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.defau
 def fp8_transpose_cse_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]]:
     if ctx.options.fp8 is None:
         return graph, []
-    calls = [n for n in graph.nodes if n.op == "call_function" and n.target is triton_kernel_wrapper_functional]
-    if not calls:
-        return graph, []
-    kernel = fp8_transpose._kernel()
     first_of, duplicates = {}, []
-    for node in calls:
-        key = _key(node, kernel)
+    for node in fp8_transpose.transpose_calls(graph):
+        key = _key(node)
         if key is None:
             continue
         if key in first_of:
@@ -75,12 +71,10 @@ def fp8_transpose_cse_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]]:
     return new_graph, [duplicate.name for duplicate, _ in duplicates]
 
 
-def _key(node, kernel):
-    """What makes two calls of ``transpose_kernel`` equal, or None for another call (or a ``dst``
-    that is not a fresh buffer only this call writes)."""
+def _key(node):
+    """What makes two calls of ``transpose_kernel`` equal, or None for a call whose ``dst`` is not a
+    fresh buffer only it writes."""
     kwargs = node.kwargs
-    if kernel_side_table.get_kernel(kwargs["kernel_idx"]) is not kernel:
-        return None
     tensors = kwargs["kwargs"]
     dst = tensors.get("dst")
     if not isinstance(dst, fx.Node) or dst.target not in _EMPTY or len(dst.users) != 1:

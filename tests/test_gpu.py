@@ -371,6 +371,32 @@ def test_linears_reading_one_input_share_its_transposed_fp8_copy():
         assert torch.equal(merged, separate)
 
 
+def test_an_fp8_tensor_that_is_transposed_is_stored_once():
+    """fp8_transpose_source: the e5m2 cast of a gradient that the transpose kernel and the dx GEMM
+    both read is stored once, where without the pass Inductor stores it twice (a copy for the
+    transpose, then the cast itself for the GEMM), and the gradients are the bits of that backward."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(256, 512, device="cuda", requires_grad=True)
+    runs = []
+    for disable in ((), ("fp8_transpose_source",)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.RMSNorm(512), nn.Linear(512, 512, bias=False)).cuda()
+        compiled = flash_inductor.compile(model, fp8="tensorwise", fp8_min_weight_numel=0, disable=disable)
+        with torch._inductor.config.patch(fx_graph_cache=False, allow_buffer_reuse=False):  # one allocation a buffer
+            _, codes = run_and_get_code(lambda: compiled(x).float().square().mean().backward())
+        e5m2_buffers = sum(len(re.findall(r"empty_strided_cuda\([^\n]*torch\.float8_e5m2\)", code)) for code in codes)
+        runs.append((e5m2_buffers, [p.grad.clone() for p in model.parameters()]))
+    torch._dynamo.reset()
+    # each linear's gradient: its cast and its transposed copy (4), and without the pass the cast twice (6)
+    assert (runs[0][0], runs[1][0]) == (4, 6), (runs[0][0], runs[1][0])
+    for once, twice in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(once, twice)
+
+
 @pytest.mark.parametrize("gradient_format", ["e5m2", "e4m3"])
 def test_fp8_gradients_step_matches_fp64_reference_on_inductors_kernel(gradient_format):
     """FP8 gradients on CUDA: the buckets go to Inductor's Triton kernel (which fuses the decode; the
