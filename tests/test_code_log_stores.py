@@ -4,36 +4,35 @@ import gzip
 
 from helpers import benchmark_module
 
-LOG = '''V1204 [__output_code] triton_poi_0 = async_compile.triton('triton_poi_0', \'\'\'
-V1204 [__output_code] def triton_poi_0(in_ptr0, out_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):
-V1204 [__output_code]     tmp1 = tmp0.to(tl.float8e5)
-V1204 [__output_code]     tl.store(out_ptr0 + (x0), tmp1, xmask)
-V1204 [__output_code]     tl.store(out_ptr1 + (x0), tmp1, xmask)
-V1204 [__output_code] \'\'\', device_str='cuda')
-V1204 [__output_code] triton_poi_1 = async_compile.triton('triton_poi_1', \'\'\'
-V1204 [__output_code] def triton_poi_1(in_ptr0, out_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):
-V1204 [__output_code]     tmp1 = tmp0.to(tl.float8e4nv)
-V1204 [__output_code]     tl.store(out_ptr0 + (x0), tmp1, xmask)
-V1204 [__output_code]     tl.store(out_ptr1 + (x0), tmp2, None)
-V1204 [__output_code] \'\'\', device_str='cuda')
-V1204 [__output_code] triton_poi_2 = async_compile.triton('triton_poi_2', \'\'\'
-V1204 [__output_code] def triton_poi_2(in_ptr0, out_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):
-V1204 [__output_code]     tmp1 = tmp0 * 2
-V1204 [__output_code]     tl.store(out_ptr0 + (x0), tmp1, xmask)
-V1204 [__output_code]     tl.store(out_ptr1 + (x0), tmp1, xmask)
-V1204 [__output_code] \'\'\', device_str='cuda')
-'''
+# name: the lines of its body (after the value it computes, tmp1, and before the end of its source)
+KERNELS = {
+    "triton_poi_0": ["tmp1 = tmp0.to(tl.float8e5)", "tl.store(out_ptr0 + (x0), tmp1, xmask)",
+                     "tl.store(out_ptr1 + (x0), tmp1, xmask)"],
+    "triton_poi_1": ["tmp1 = tmp0.to(tl.float8e4nv)", "tl.store(out_ptr0 + (x0), tmp1, xmask)",
+                     "tl.store(out_ptr1 + (x0), tmp2, None)"],
+    "triton_poi_2": ["tmp1 = tmp0 * 2", "tl.store(out_ptr0 + (x0), tmp1, xmask)", "tl.store(out_ptr1 + (x0), tmp1, xmask)"],
+}
+
+
+def _code_log():
+    """The kernels as ``TORCH_LOGS=output_code`` logs Inductor's code: a prefix on every line."""
+    lines = []
+    for name, body in KERNELS.items():
+        lines += [f"{name} = async_compile.triton('{name}', '''",
+                  f"def {name}(in_ptr0, out_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):",
+                  *(f"    {line}" for line in body),
+                  "''', device_str='cuda')"]
+    return "".join(f"V1204 graph.py:2552] [4/0] [__output_code] {line}\n" for line in lines)
 
 
 def test_fp8_kernels_storing_one_value_twice_are_counted(tmp_path, capsys, monkeypatch):
     script = benchmark_module("code_log_stores")
     path = tmp_path / "code.log.gz"
     with gzip.open(path, "wt") as f:
-        f.write(LOG)
+        f.write(_code_log())
     monkeypatch.setattr("sys.argv", ["code_log_stores.py", str(path)])
     script.main()
-    lines = capsys.readouterr().out.splitlines()
-    assert lines == [
+    assert capsys.readouterr().out.splitlines() == [
         "triton_poi_0: out_ptr0=tmp1, out_ptr1=tmp1  value stored twice",
         "triton_poi_1: out_ptr0=tmp1, out_ptr1=tmp2",
         "2 FP8 kernels, 1 storing one value twice",  # triton_poi_2 handles no FP8
