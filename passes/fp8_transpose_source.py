@@ -30,7 +30,8 @@ After::
     wrapper = triton_kernel_wrapper_functional(kernel_idx=K, ..., kwargs={'src': g_fp8_stored, 'dst': empty}, ...)
     mm = torch.ops.aten._scaled_mm.default(g_fp8, w_t, ...)
 
-A source that is a graph input (stored already) is left alone, and so are other Triton kernels.
+A source that is a graph input (stored already) is left alone, and so are other Triton kernels and,
+in graphs compiled for dynamic shapes, a source of symbolic size.
 """
 
 import torch
@@ -61,8 +62,12 @@ def fp8_transpose_source_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]
 
 
 def _unstored(src):
-    """Whether Inductor may still hold ``src`` unrealized (not a graph input, not read through a view already)."""
-    return src.op != "placeholder" and src.target is not _AS_STRIDED
+    """Whether Inductor may still hold ``src`` unrealized (not a graph input, not read through a view
+    already), with a static size and strides (a graph compiled for dynamic shapes keeps its double store)."""
+    if src.op == "placeholder" or src.target is _AS_STRIDED:
+        return False
+    val = src.meta["val"]
+    return all(isinstance(n, int) for n in (*val.shape, *val.stride()))
 
 
 def _stored_view(graph, src):

@@ -9,8 +9,10 @@ import re
 import expecttest
 import torch
 import torch.fx as fx
+from torch._dynamo.source import ConstantSource
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from flash_inductor import fp8_transpose
 from flash_inductor.options import Options
@@ -126,6 +128,13 @@ return (abs_default, getitem, getitem_1, getitem_2, getitem_3)""")
         assert (view.meta["val"].shape, view.meta["val"].stride()) == ((32, 64), (64, 1))
         again, none = fp8_transpose_source_pass(new_graph, FP8_ON)  # every source read through a view now
         self.assertIs(again, new_graph)
+        self.assertEqual(none, [])
+        dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])  # a graph compiled
+        g_fp8.meta["val"] = FakeTensorMode(shape_env=ShapeEnv()).from_tensor(  # for dynamic shapes
+            torch.empty(32, 64, dtype=torch.float8_e5m2), source=ConstantSource("g"), symbolic_context=dynamic)
+        assert not isinstance(g_fp8.meta["val"].shape[0], int)
+        unchanged, none = fp8_transpose_source_pass(graph, FP8_ON)
+        self.assertIs(unchanged, graph)
         self.assertEqual(none, [])
         unchanged, none = fp8_transpose_source_pass(graph, FP8_OFF)
         self.assertIs(unchanged, graph)
