@@ -10,6 +10,7 @@ unrealized. The Triton kernel lowers first, so the cast kernel stores the tensor
 the transpose, once more when ``_scaled_mm`` realizes the original: one extra byte per element of
 every transposed tensor, about 240 MB a layer of HF Llama-1B. Stored once, the Llama's FP8 step took
 85.3-85.8 ms of GPU time on the H200, against 87.4-87.8 before (docs/benchmarks.md, twenty-third session).
+``benchmarks/lowering_probe.py`` shows both lowerings on a machine without a GPU.
 
 Reading the source through ``as_strided`` with its own size and strides fixes the order: Inductor's
 ``as_strided`` lowering realizes its input in place and returns a view of that buffer, and it runs
