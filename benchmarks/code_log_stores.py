@@ -13,17 +13,31 @@ import gzip
 import re
 
 _KERNEL = re.compile(r"def (triton_\w+)\(.*?\):\n(.*?)''', device_str", re.S)
-_STORE = re.compile(r"tl\.store\((\w+) \+ .*?, (\w+)[,)]")
 _LOG_PREFIX = re.compile(r"^.*?\[__output_code\] ", re.M)
 
 
 def fp8_kernels(code):
     """[(kernel name, [(pointer, stored value)])] of the Triton kernels in ``code`` that touch FP8."""
-    kernels = []
-    for name, body in _KERNEL.findall(code):
-        if "float8" in body:
-            kernels.append((name, _STORE.findall(body)))
-    return kernels
+    return [(name, stores(body)) for name, body in _KERNEL.findall(code) if "float8" in body]
+
+
+def stores(body):
+    """[(pointer, stored value)] of each ``tl.store(pointer + offset, value, mask)`` in a kernel's body."""
+    found = []
+    for start in (m.end() for m in re.finditer(r"tl\.store\(", body)):
+        arguments, depth, begin = [], 0, start
+        for i in range(start, len(body)):
+            if body[i] in "([":
+                depth += 1
+            elif body[i] in ")]" and depth:
+                depth -= 1
+            elif body[i] in ",)" and depth == 0:
+                arguments.append(body[begin:i].strip())
+                begin = i + 1
+                if body[i] == ")":
+                    break
+        found.append((re.match(r"\w+", arguments[0]).group(), arguments[1]))
+    return found
 
 
 def stores_a_value_twice(stores):

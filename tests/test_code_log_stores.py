@@ -11,6 +11,9 @@ KERNELS = {
     "triton_poi_1": ["tmp1 = tmp0.to(tl.float8e4nv)", "tl.store(out_ptr0 + (x0), tmp1, xmask)",
                      "tl.store(out_ptr1 + (x0), tmp2, None)"],
     "triton_poi_2": ["tmp1 = tmp0 * 2", "tl.store(out_ptr0 + (x0), tmp1, xmask)", "tl.store(out_ptr1 + (x0), tmp1, xmask)"],
+    # two scalars: the offset's own commas are no argument's end
+    "triton_per_3": ["tmp1 = tmp0.to(tl.float8e4nv)", "tl.store(out_ptr0 + (tl.full([1], 0, tl.int32)), tmp1, None)",
+                     "tl.store(out_ptr1 + (tl.full([1], 0, tl.int32)), tmp2, None)"],
 }
 
 
@@ -35,5 +38,6 @@ def test_fp8_kernels_storing_one_value_twice_are_counted(tmp_path, capsys, monke
     assert capsys.readouterr().out.splitlines() == [
         "triton_poi_0: out_ptr0=tmp1, out_ptr1=tmp1  value stored twice",
         "triton_poi_1: out_ptr0=tmp1, out_ptr1=tmp2",
-        "2 FP8 kernels, 1 storing one value twice",  # triton_poi_2 handles no FP8
+        "triton_per_3: out_ptr0=tmp1, out_ptr1=tmp2",
+        "3 FP8 kernels, 1 storing one value twice",  # triton_poi_2 handles no FP8
     ]
