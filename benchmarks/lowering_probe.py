@@ -13,6 +13,7 @@ replaces internals, so another version may need other replacements)::
 
     python benchmarks/lowering_probe.py                                  # one buffer read by both
     python benchmarks/lowering_probe.py --disable fp8_transpose_source   # the cast stored twice
+    python benchmarks/lowering_probe.py --dynamic                        # g's rows symbolic
 """
 
 import argparse
@@ -85,12 +86,15 @@ def _pretend_sm90():
     torch._inductor.config.max_autotune_gemm_backends = "ATEN"
 
 
-def lowered_buffers(disable):
-    """[(name, kind, names it reads)] of what Inductor lowers the probe's graph into."""
+def lowered_buffers(disable, dynamic=False):
+    """[(name, kind, names it reads)] of what Inductor lowers the probe's graph into; ``dynamic``: with
+    the number of ``g``'s rows symbolic (as in a graph compiled for dynamic shapes)."""
     import torch._inductor.scheduler as scheduler
+    from torch._dynamo.source import ConstantSource
     from torch._inductor.virtualized import V
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from flash_inductor import fp8_transpose, passes
     from flash_inductor.formats import fp8
@@ -113,8 +117,11 @@ def lowered_buffers(disable):
         return torch._scaled_mm(g_fp8, w_t, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16), \
             fp8_transpose.transpose_fp8(g_fp8)
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        inputs = (torch.empty(256, 128, dtype=torch.bfloat16, device="cuda"),
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    rows = mode.shape_env.create_symintnode(mode.shape_env.create_symbol(256, ConstantSource("rows")), hint=256) \
+        if dynamic else 256
+    with mode:
+        inputs = (torch.empty(rows, 128, dtype=torch.bfloat16, device="cuda"),
                   torch.empty((), dtype=torch.float32, device="cuda"),
                   torch.empty(64, 128, dtype=fp8.E5M2, device="cuda").t())
         graph = make_fx(step)(*inputs)
@@ -132,8 +139,9 @@ def lowered_buffers(disable):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--disable", nargs="*", default=[], help="passes to leave out")
+    parser.add_argument("--dynamic", action="store_true", help="g's number of rows symbolic")
     args = parser.parse_args()
-    buffers = lowered_buffers(args.disable)
+    buffers = lowered_buffers(args.disable, args.dynamic)
     for name, kind, reads in buffers:
         print(f"{name:6} {kind:24} reads {', '.join(reads) or '-'}")
     casts = [name for name, kind, reads in buffers if kind == "ComputedBuffer" and "arg0_1" in reads]

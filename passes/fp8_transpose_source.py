@@ -31,8 +31,9 @@ After::
     wrapper = triton_kernel_wrapper_functional(kernel_idx=K, ..., kwargs={'src': g_fp8_stored, 'dst': empty}, ...)
     mm = torch.ops.aten._scaled_mm.default(g_fp8, w_t, ...)
 
-A source that is a graph input (stored already) is left alone, and so are other Triton kernels and,
-in graphs compiled for dynamic shapes, a source of symbolic size.
+A source that is a graph input (stored already) is left alone, and so are other Triton kernels. In
+a graph compiled for dynamic shapes, a symbolic size or stride of the view is read off the source
+(``sym_size`` / ``sym_stride``).
 """
 
 import torch
@@ -63,19 +64,29 @@ def fp8_transpose_source_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]
 
 
 def _unstored(src):
-    """Whether Inductor may still hold ``src`` unrealized (not a graph input, not read through a view
-    already), with a static size and strides (a graph compiled for dynamic shapes keeps its double store)."""
-    if src.op == "placeholder" or src.target is _AS_STRIDED:
-        return False
-    val = src.meta["val"]
-    return all(isinstance(n, int) for n in (*val.shape, *val.stride()))
+    """Whether Inductor may still hold ``src`` unrealized: not a graph input, not read through a view already."""
+    return src.op != "placeholder" and src.target is not _AS_STRIDED
 
 
 def _stored_view(graph, src):
-    """``as_strided(src, its size, its strides)``, right after ``src``."""
+    """``as_strided(src, its size, its strides)``, right after ``src``. In a graph compiled for dynamic
+    shapes, a symbolic size or stride is read off ``src`` by a ``sym_size`` / ``sym_stride`` node."""
     val = src.meta["val"]
-    with graph.inserting_after(src):
-        view = graph.create_node("call_function", _AS_STRIDED, (src, list(val.shape), list(val.stride())),
-                                 name=f"{src.name}_stored")
+    with graph.inserting_before(src.next):  # in order, right after src
+        size = _dims(graph, src, val.shape, torch.ops.aten.sym_size.int)
+        stride = _dims(graph, src, val.stride(), torch.ops.aten.sym_stride.int)
+        view = graph.create_node("call_function", _AS_STRIDED, (src, size, stride), name=f"{src.name}_stored")
     view.meta["val"] = val.as_strided(val.shape, val.stride())
     return view
+
+
+def _dims(graph, src, values, read_dim):
+    """``values`` (a size or strides of ``src``), each symbolic one as a node that reads it off ``src``."""
+    dims = []
+    for dim, value in enumerate(values):
+        if not isinstance(value, int):
+            node = graph.call_function(read_dim, (src, dim))
+            node.meta["val"] = value
+            value = node
+        dims.append(value)
+    return dims

@@ -132,10 +132,13 @@ return (abs_default, getitem, getitem_1, getitem_2, getitem_3)""")
         dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])  # a graph compiled
         g_fp8.meta["val"] = FakeTensorMode(shape_env=ShapeEnv()).from_tensor(  # for dynamic shapes
             torch.empty(32, 64, dtype=torch.float8_e5m2), source=ConstantSource("g"), symbolic_context=dynamic)
-        assert not isinstance(g_fp8.meta["val"].shape[0], int)
-        unchanged, none = fp8_transpose_source_pass(graph, FP8_ON)
-        self.assertIs(unchanged, graph)
-        self.assertEqual(none, [])
+        dynamic_graph, stored = fp8_transpose_source_pass(graph, FP8_ON)
+        self.assertEqual(stored, ["convert_element_type_default"])
+        view = next(n for n in dynamic_graph.nodes if n.target is torch.ops.aten.as_strided.default)
+        (tokens, columns), strides = view.args[1:]
+        assert (tokens.target, tokens.args[1], columns, strides) == (torch.ops.aten.sym_size.int, 0, 64, [64, 1])
+        assert tokens.args[0] is view.args[0] and str(tokens.meta["val"]) == str(g_fp8.meta["val"].shape[0])  # s<n>
+        dynamic_graph.lint()  # each node after what it reads
         unchanged, none = fp8_transpose_source_pass(graph, FP8_OFF)
         self.assertIs(unchanged, graph)
         self.assertEqual(none, [])
