@@ -13,6 +13,14 @@ BOUND_INPUT = "flashoptim_bound_input"
 BOUND_LOOKUP = "flashoptim_bound_lookup"
 
 
+def copy_graph(graph: fx.Graph) -> tuple[fx.Graph, dict]:
+    """A copy of ``graph`` (a pass's output, never its edited input) and {node of ``graph``: its copy}."""
+    copy = fx.Graph()
+    copies = {}
+    copy.output(copy.graph_copy(graph, copies))
+    return copy, copies
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule with a copy of ``gm``'s graph, so a pass never edits its input.
 
@@ -21,9 +29,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     (parameters, optimizer states), which CUDA graphs need; without it every mutated input of a
     rewritten graph counted as non-static and Inductor skipped CUDA graphs.
     """
-    graph = fx.Graph()
-    copies = {}
-    graph.output(graph.graph_copy(gm.graph, copies))
+    graph, copies = copy_graph(gm.graph)
     copied = fx.GraphModule(gm, graph, gm.__class__.__name__)
     copied.meta.update(gm.meta)
     if hasattr(gm, "_param_name_to_source"):

@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-from flash_inductor import fp8_transpose
+from flash_inductor import fp8_transpose, graph_utils
 
 _EMPTY = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
 
@@ -57,9 +57,7 @@ def fp8_transpose_cse_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]]:
             first_of[key] = node
     if not duplicates:
         return graph, []
-    new_graph = fx.Graph()
-    copy_of = {}
-    new_graph.output(new_graph.graph_copy(graph, copy_of))
+    new_graph, copy_of = graph_utils.copy_graph(graph)
     for old_duplicate, old_first in duplicates:
         duplicate, first = copy_of[old_duplicate], copy_of[old_first]
         for getitem in list(duplicate.users):

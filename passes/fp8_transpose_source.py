@@ -39,7 +39,7 @@ a graph compiled for dynamic shapes, a symbolic size or stride of the view is re
 import torch
 import torch.fx as fx
 
-from flash_inductor import fp8_transpose
+from flash_inductor import fp8_transpose, graph_utils
 
 _AS_STRIDED = torch.ops.aten.as_strided.default
 
@@ -50,9 +50,7 @@ def fp8_transpose_source_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]
     calls = [c for c in fp8_transpose.transpose_calls(graph) if _unstored(c.kwargs["kwargs"]["src"])]
     if not calls:
         return graph, []
-    new_graph = fx.Graph()
-    copy_of = {}
-    new_graph.output(new_graph.graph_copy(graph, copy_of))
+    new_graph, copy_of = graph_utils.copy_graph(graph)
     stored = {}  # source in graph -> its as_strided view in new_graph
     for old_call in calls:
         old_src = old_call.kwargs["kwargs"]["src"]
