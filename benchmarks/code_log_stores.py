@@ -54,11 +54,12 @@ def main():
     with opener(args.log, "rt") as f:
         code = _LOG_PREFIX.sub("", f.read())
     kernels = fp8_kernels(code)
-    twice = [name for name, stores in kernels if stores_a_value_twice(stores)]
-    for name, stores in kernels:
-        mark = "  value stored twice" if name in twice else ""
-        print(f"{name}: {', '.join(f'{p}={v}' for p, v in stores)}{mark}")
-    print(f"{len(kernels)} FP8 kernels, {len(twice)} storing one value twice")
+    twice = 0
+    for name, stores in kernels:  # by kernel, not name: each compiled graph numbers its kernels from 0
+        doubled = stores_a_value_twice(stores)
+        twice += doubled
+        print(f"{name}: {', '.join(f'{p}={v}' for p, v in stores)}{'  value stored twice' if doubled else ''}")
+    print(f"{len(kernels)} FP8 kernels, {twice} storing one value twice")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ KERNELS = {
 
 
 def _code_log():
-    """The kernels as ``TORCH_LOGS=output_code`` logs Inductor's code: a prefix on every line."""
+    """The kernels as ``TORCH_LOGS=output_code`` logs Inductor's code: a prefix on every line; then a
+    second graph's kernel of the first one's name, storing two values."""
     lines = []
-    for name, body in KERNELS.items():
+    for name, body in [*KERNELS.items(), ("triton_poi_0", KERNELS["triton_poi_1"])]:
         lines += [f"{name} = async_compile.triton('{name}', '''",
                   f"def {name}(in_ptr0, out_ptr0, out_ptr1, xnumel, XBLOCK : tl.constexpr):",
                   *(f"    {line}" for line in body),
@@ -39,5 +40,6 @@ def test_fp8_kernels_storing_one_value_twice_are_counted(tmp_path, capsys, monke
         "triton_poi_0: out_ptr0=tmp1, out_ptr1=tmp1  value stored twice",
         "triton_poi_1: out_ptr0=tmp1, out_ptr1=tmp2",
         "triton_per_3: out_ptr0=tmp1, out_ptr1=tmp2",
-        "3 FP8 kernels, 1 storing one value twice",  # triton_poi_2 handles no FP8
+        "triton_poi_0: out_ptr0=tmp1, out_ptr1=tmp2",  # not marked for its name's kernel in the first graph
+        "4 FP8 kernels, 1 storing one value twice",  # triton_poi_2 handles no FP8
     ]
