@@ -128,12 +128,20 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         # Column-major already for an (out, in) weight (no copy); a transposed (in, out) one is copied.
-        out = _scaled_mm(x_fp8, x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)[:, :n]
+        out = _scaled_mm(x_fp8, x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)
+        # 2-D and not a view (the caller reshapes): callers write a linear's output in place
+        # (``mlp_out += attn_out``), which autograd forbids on a view made inside a Function.
         if bias is not None:
-            out = out + bias
-        return out.reshape(*x.shape[:-1], weight.shape[0]).to(_output_dtype(x, weight))
+            out = out[:, :n] + bias
+        elif pn != n:
+            out = out[:, :n].contiguous()
+        return out.to(_output_dtype(x, weight))
 
     @staticmethod
+    # Only eager runs (compiler="eager") call this; AOTAutograd traces it without Dynamo. Dynamo
+    # would capture it as a frame of its own and unpack the saved tensors twice, which an
+    # activation-checkpointed region forbids.
+    @torch.compiler.disable
     def backward(ctx, grad_out):
         x_fp8, x_inv, w_fp8, w_inv = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
@@ -156,5 +164,6 @@ def fp8_linear(x, weight, bias=None, *, power_of_two=False, fast_accum=False, am
     ``power_of_two``: scales rounded down to powers of two. ``fast_accum``: the forward GEMM in the
     tensor cores' fast (lower-precision) accumulation mode, as torchao's default output GEMM.
     """
-    return Fp8LinearFunction.apply(x, weight, bias, power_of_two, fast_accum, amax_history, scale, grad_amax_history,
-                                   grad_scale)
+    out = Fp8LinearFunction.apply(x, weight, bias, power_of_two, fast_accum, amax_history, scale, grad_amax_history,
+                                  grad_scale)
+    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -193,7 +193,10 @@ class _FakeProp(fx.Interpreter):
         return self.mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
 
     def get_attr(self, target, args, kwargs):
-        return self.mode.from_tensor(super().get_attr(target, args, kwargs))
+        # Not every attribute is a tensor: a higher-order op's body (an autograd.Function's
+        # fwd_body, a checkpointed region) is a GraphModule.
+        value = super().get_attr(target, args, kwargs)
+        return self.mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
 
     def run_node(self, n):
         self.node = n

@@ -60,6 +60,12 @@ class GraphRecord:
         """What a pass decided about one candidate, e.g. a linear layer kept in bf16 and why."""
         self.decisions.append((pass_name, subject, decision))
 
+    def pass_skipped(self, pass_name, first_decision, reason):
+        """``pass_name`` failed on this graph, which compiles without it: its decisions from
+        ``first_decision`` on did not happen."""
+        del self.decisions[first_decision:]
+        self.decisions.append((pass_name, f"{self.subgraph} graph", f"pass skipped, no rewrite: {reason}"))
+
     def add_kernel_code(self, code):
         self.kernels[self.subgraph] = self.kernels.get(self.subgraph, "") + code
         self._dump(f"{self.subgraph}.inductor_output.py", self.kernels[self.subgraph])

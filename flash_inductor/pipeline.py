@@ -61,13 +61,22 @@ class RewriteFailed(RuntimeError):
     """A pass that prepared tensors' stored format needs could not rewrite a graph that uses them."""
 
 
-def _warn_skipped(graph_pass, graph_name, error):
+def _skip(graph_pass, graph_name, error, recorder, first_decision):
+    """Warn that ``graph_pass`` failed on the graph; in the inspection report, what it had decided
+    there (from ``first_decision`` on) gives way to the failure."""
+    reason = f"{type(error).__name__}: {error}"
+    if recorder:
+        recorder.pass_skipped(graph_pass.name, first_decision, reason)
     warnings.warn(
-        f"flashoptim: pass '{graph_pass.name}' skipped on graph {graph_name}: "
-        f"{type(error).__name__}: {error}. The graph compiles without this rewrite.",
+        f"flashoptim: pass '{graph_pass.name}' skipped on graph {graph_name}: {reason}. "
+        "The graph compiles without this rewrite.",
         PassFailed,
         stacklevel=3,
     )
+
+
+def _decision_count(recorder):
+    return len(recorder.decisions) if recorder else 0
 
 
 def run_torch_passes(gm: fx.GraphModule, example_inputs, passes, ctx, graph_name):
@@ -78,6 +87,7 @@ def run_torch_passes(gm: fx.GraphModule, example_inputs, passes, ctx, graph_name
     for graph_pass in passes:
         if not ctx.options.enabled(graph_pass.name):
             continue
+        first_decision = _decision_count(ctx.recorder)
         try:
             new_gm, names = graph_pass.fn(gm, ctx)
             if new_gm is not gm:
@@ -92,7 +102,7 @@ def run_torch_passes(gm: fx.GraphModule, example_inputs, passes, ctx, graph_name
                     "torch._dynamo.config.patch(specialize_float=True) (a prepared optimizer's own step does) "
                     "or keep it fixed."
                 ) from error
-            _warn_skipped(graph_pass, graph_name, error)
+            _skip(graph_pass, graph_name, error, ctx.recorder, first_decision)
             continue
         gm = new_gm
         if names:
@@ -135,11 +145,12 @@ class AtenPasses(_INFERENCE_AWARE or CustomGraphPass):
         if self.ctx.recorder:
             self.ctx.recorder.stage(ATEN, "post_grad", _graph_code(graph))
         for graph_pass in self.passes:
+            first_decision = _decision_count(self.ctx.recorder)
             try:
                 new_graph, names = graph_pass.fn(graph, self.ctx)
                 new_graph.lint()
             except Exception as error:  # noqa: BLE001
-                _warn_skipped(graph_pass, self.graph_name, error)
+                _skip(graph_pass, self.graph_name, error, self.ctx.recorder, first_decision)
                 continue
             if new_graph is not graph:
                 _assign_graph(graph, new_graph)

@@ -38,6 +38,21 @@ state (else it stays bf16, with a warning that says how to add it). Every linear
 recorded for inspection. Option ``fp8_fast_accum`` adds ``fast_accum=True`` (the forward GEMM in
 the tensor cores' fast accumulation mode).
 
+A linear inside an activation-checkpointed region (``torch.utils.checkpoint``, which Dynamo captures
+as a ``tag_activation_checkpoint`` whose body takes the region's weights as operands) is rewritten
+in the body the same way, decided on the parameter the operand is; a copy of the body replaces it,
+so the input graph is left as it was::
+
+    tag_activation_checkpoint = torch.ops.higher_order.tag_activation_checkpoint(wrap_body_0, x, fc1_weight)
+    class wrap_body_0:
+        def forward(self, x, fc1_weight):
+            fp8_linear = flash_inductor.fp8_linear.fp8_linear(x, fc1_weight, None)   # was linear(x, fc1_weight)
+
+Only current scaling runs there (delayed scaling's and ``fp8_all_gather``'s per-layer state would
+have to enter the region as operands of its own); such linears stay bf16 with that reason.
+Every other matmul on a parameter (a slice of a 3-D expert weight, a parameter as the left or
+batched operand, ``torch._grouped_mm`` of a mixture of experts) is reported in bf16 with its reason.
+
 Under FSDP2 with ``fp8_all_gather`` an eligible weight arrives already in e4m3 (an ``Fp8Weight``,
 ``flash_inductor/fp8_all_gather.py``); the rewrite is the same, and ``fp8_linear`` uses its e4m3 data
 and scale instead of casting it. The decision says so ("weight all-gathered in e4m3").
@@ -53,6 +68,7 @@ from flash_inductor import fp8_delayed, graph_utils
 from flash_inductor.formats.fp8_weight import Fp8Weight
 from flash_inductor.fp8_linear import fp8_linear, ineligible_reason, padded_shape
 
+CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint  # torch.utils.checkpoint's region, as Dynamo captures it
 OUT_IN = "out_in"  # weight stored (out, in), as nn.Linear's: y = x @ w.T
 IN_OUT = "in_out"  # weight stored (in, out), as Hugging Face's Conv1D: y = x @ w
 
@@ -118,10 +134,50 @@ def _einsum_as_linear(node):
     return x, rhs, None, IN_OUT if b[0] == k else OUT_IN
 
 
+# Matmuls that are not linears (as_linear) yet may take a parameter: each is reported, kept in bf16.
+MATMULS = {torch._grouped_mm: "grouped matmul (a mixture of experts' weights): FP8 grouped GEMMs are not supported",
+           torch.bmm: "batched matmul", torch.baddbmm: "batched matmul", torch.matmul: "matmul", operator.matmul: "matmul",
+           torch.mm: "matmul", torch.addmm: "matmul", torch.einsum: "einsum", torch.functional.einsum: "einsum",
+           torch._C._nn.linear: "linear", torch.nn.functional.linear: "linear"}
+# Ops through which an operand is still the parameter's values (a view, a slice, a copy in another dtype).
+_SAME_VALUES = {"t", "transpose", "permute", "view", "reshape", "contiguous", "to", "float", "bfloat16", "__getitem__",
+                "select", "expand", "unsqueeze", "squeeze"}
+
+
+def parameter_behind(node, ctx):
+    """The parameter input whose values ``node`` is (itself, or a view, slice or cast of it), else None."""
+    while isinstance(node, fx.Node):
+        if node.op in ("placeholder", "get_attr"):
+            return node if isinstance(ctx.inputs.get(node.name), torch.nn.Parameter) else None
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+        if name not in _SAME_VALUES and not is_transpose(node) and node.target is not operator.getitem:
+            return None
+        node = node.args[0] if node.args else None
+    return None
+
+
+def _unsupported_matmuls(gm, ctx, decided):
+    """``(name, reason)`` for each matmul of ``gm`` with a parameter operand that is not among the
+    linears already ``decided``: why it stays bf16."""
+    for node in gm.graph.nodes:
+        what = MATMULS.get(node.target) if node.op == "call_function" else None
+        if what is None or node in decided:
+            continue
+        operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+        for operand in operands:
+            param = parameter_behind(operand, ctx)
+            if param is None:
+                continue
+            shape = tuple(param.meta["example_value"].shape) if "example_value" in param.meta else "?"
+            detail = what if node.target is torch._grouped_mm else (
+                f"{what} with the parameter (shape {shape}) or a view or slice of it as an operand, not as a linear's "
+                "2-D weight")
+            yield graph_utils.input_name(param), detail
+            break
+
+
 def _decide(weight, layout, name, ctx):
     """``None`` when eligible, else why not."""
-    if weight.op not in ("placeholder", "get_attr"):
-        return "weight is computed in the graph, not a parameter"
     if layout == IN_OUT and not isinstance(ctx.inputs.get(weight.name), torch.nn.Parameter):
         return "right operand is not a parameter"  # x @ y of two inputs: not a layer's matmul
     value = _used_as(weight, layout)
@@ -169,17 +225,40 @@ def _bind_delayed_state(gm, weight, name, ctx, bound):
     return kwargs
 
 
+def _linears(gm):
+    """``(body, node, linear, weight)`` for each linear of ``gm``'s graph (``body`` None) and of
+    the bodies of its activation-checkpointed regions (``body``: the attribute holding one),
+    ``weight`` being the graph input the linear multiplies by (a region's operand, for a body's)."""
+    for node in gm.graph.nodes:
+        linear = as_linear(node)
+        if linear is not None:
+            yield None, node, linear, linear[1]
+        elif node.op == "call_function" and node.target is CHECKPOINT:
+            body = node.args[0].target
+            inputs = [n for n in getattr(gm, body).graph.nodes if n.op == "placeholder"]
+            operands = dict(zip(inputs, node.args[1:]))
+            for inner in getattr(gm, body).graph.nodes:
+                linear = as_linear(inner)
+                if linear is not None:
+                    yield body, inner, linear, operands.get(linear[1], linear[1])
+
+
 def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]:
     if ctx.options.fp8 is None:
         return gm, []
     eligible = []
-    for node in gm.graph.nodes:
-        linear = as_linear(node)
-        if linear is None:
-            continue
-        weight, layout = linear[1], linear[3]
-        name = graph_utils.input_name(weight) if isinstance(weight, fx.Node) else "?"
-        reason = _decide(weight, layout, name, ctx) if isinstance(weight, fx.Node) else "weight is not a tensor"
+    decided = set()
+    for body, node, linear, weight in _linears(gm):
+        if not (isinstance(weight, fx.Node) and weight.op in ("placeholder", "get_attr")):
+            continue  # an activation, or a view or slice of a parameter (reported with the other matmuls)
+        decided.add(node)
+        layout = linear[3]
+        name = graph_utils.input_name(weight)
+        reason = _decide(weight, layout, name, ctx)
+        if reason is None and body is not None and (ctx.options.fp8 == "delayed" or ctx.options.fp8_all_gather):
+            # Their per-layer state would have to enter the region as operands of its own.
+            reason = ("in an activation-checkpointed region, where only fp8='tensorwise' without "
+                      "fp8_all_gather runs in FP8")
         if reason is None and ctx.options.fp8 == "delayed" and fp8_delayed.state_of(ctx.inputs[weight.name], name) is None:
             fp8_delayed.warn_missing_state(name)
             reason = "no delayed-scaling state (flash_inductor.prepare_fp8 makes it)"
@@ -192,27 +271,39 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
                 decision += ", weight all-gathered in e4m3" if reason is None else " (on the e4m3-gathered weight, dequantized)"
             ctx.recorder.decision("fp8_linear", name, decision)
         if reason is None:
-            eligible.append((node.name, linear))
+            eligible.append((body, node.name))
+    if ctx.recorder:
+        for name, reason in _unsupported_matmuls(gm, ctx, decided):
+            ctx.recorder.decision("fp8_linear", name, f"bf16: {reason}")
     if not eligible:
         return gm, []
     gm = graph_utils.copy_graph_module(gm)
-    nodes = {n.name: n for n in gm.graph.nodes}
+    for body in {body for body, _ in eligible if body is not None}:
+        setattr(gm, body, graph_utils.copy_graph_module(getattr(gm, body)))  # the input's stays as it was
     bound = {}
-    for name, _ in eligible:
-        node = nodes[name]
-        x, weight, bias, layout = as_linear(node)
-        kwargs = {"power_of_two": ctx.options.fp8_power_of_two_scales}
-        if ctx.options.fp8_fast_accum:
-            kwargs["fast_accum"] = True
-        if ctx.options.fp8 == "delayed":
-            kwargs.update(_bind_delayed_state(gm, weight, graph_utils.input_name(weight), ctx, bound))
-        with gm.graph.inserting_before(node):
-            replacement = gm.graph.call_function(fp8_linear, (x, out_in_weight(gm.graph, weight, layout), bias), kwargs)
-        node.replace_all_uses_with(replacement)
-        transposed = [a for a in node.args if is_transpose(a) and a.args[0] is weight]
-        gm.graph.erase_node(node)
-        if transposed and not transposed[0].users:
-            gm.graph.erase_node(transposed[0])
-    gm.graph.lint()
-    gm.recompile()
-    return gm, [name for name, _ in eligible]
+    for owner in {body for body, _ in eligible}:
+        module = gm if owner is None else getattr(gm, owner)
+        nodes = {n.name: n for n in module.graph.nodes}
+        for body, name in eligible:
+            if body == owner:
+                _rewrite(gm, module.graph, nodes[name], ctx, bound)
+        module.graph.lint()
+        module.recompile()
+    return gm, [name if body is None else f"{body}.{name}" for body, name in eligible]
+
+
+def _rewrite(gm, graph, node, ctx, bound):
+    """Replace the linear ``node`` of ``graph`` (``gm``'s or a checkpointed region's) by ``fp8_linear``."""
+    x, weight, bias, layout = as_linear(node)
+    kwargs = {"power_of_two": ctx.options.fp8_power_of_two_scales}
+    if ctx.options.fp8_fast_accum:
+        kwargs["fast_accum"] = True
+    if ctx.options.fp8 == "delayed":  # never in a region's body (fp8_linear_pass)
+        kwargs.update(_bind_delayed_state(gm, weight, graph_utils.input_name(weight), ctx, bound))
+    with graph.inserting_before(node):
+        replacement = graph.call_function(fp8_linear, (x, out_in_weight(graph, weight, layout), bias), kwargs)
+    node.replace_all_uses_with(replacement)
+    transposed = [a for a in node.args if is_transpose(a) and a.args[0] is weight]
+    graph.erase_node(node)
+    if transposed and not transposed[0].users:
+        graph.erase_node(transposed[0])

@@ -100,6 +100,22 @@ def test_failing_pass_is_skipped_with_a_warning(monkeypatch):
     assert not torch.equal(error, before)  # the other passes still ran
 
 
+def _pass_deciding_then_failing(gm, ctx):
+    if ctx.recorder:
+        ctx.recorder.decision("decides_then_fails", "weight", "rewritten")
+    raise RuntimeError("pattern not supported")
+
+
+def test_decisions_of_a_failing_pass_give_way_to_its_failure_in_the_report(monkeypatch):
+    failing = GraphPass("decides_then_fails", TORCH, _pass_deciding_then_failing)
+    monkeypatch.setattr(passes, "TORCH_PASSES", (failing,) + passes.TORCH_PASSES)
+    with pytest.warns(PassFailed, match="pass 'decides_then_fails' skipped"):
+        report = flash_inductor.inspect(lambda t: t * 2, torch.ones(4))
+    (graph,) = report.graphs
+    assert graph.decisions == [
+        ("decides_then_fails", "dynamo graph", "pass skipped, no rewrite: RuntimeError: pattern not supported")]
+
+
 def _pass_breaking_types(gm, ctx):
     """A rewrite that produces an ill-typed graph: caught by fake propagation, not at run time."""
     gm = flash_inductor.graph_utils.copy_graph_module(gm)

@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import flash_inductor
 from flash_inductor import fp8_linear
@@ -250,7 +251,7 @@ class Einsums(nn.Module):
 
     def forward(self, x):
         return (torch.einsum("bsk,kn->bsn", x, self.w_in_out), torch.einsum("...k,nk->...n", x, self.w_out_in),
-                torch.einsum("bsk,kk->bs", x, self.w_other))  # not a matmul: stays as it is
+                torch.einsum("bsk,kk->bs", x, self.w_other))  # not x @ w: stays as it is, reported
 
 
 def test_einsums_that_are_matmuls_on_a_parameter_run_in_fp8():
@@ -259,7 +260,9 @@ def test_einsums_that_are_matmuls_on_a_parameter_run_in_fp8():
     reference = copy.deepcopy(model)
     x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
     _, decisions = _inspected_fp8(model, x)
-    assert decisions == {"w_in_out": "fp8 e4m3/e5m2", "w_out_in": "fp8 e4m3/e5m2"}
+    assert decisions == {"w_in_out": "fp8 e4m3/e5m2", "w_out_in": "fp8 e4m3/e5m2", "w_other": (
+        "bf16: einsum with the parameter (shape (64, 64)) or a view or slice of it as an operand, not as a linear's "
+        "2-D weight")}
     outs, refs = flash_inductor.compile(model, **FP8_ALL)(x), reference(x)
     for out, ref in zip(outs[:2], refs[:2]):
         assert out.shape == ref.shape and _sqnr(ref, out) >= 25
@@ -291,3 +294,113 @@ def test_dims_off_16_are_zero_padded_where_that_adds_at_most_1_percent(features)
     assert _sqnr(out_ref, out) >= 25
     assert _sqnr(x_ref.grad, x.grad) >= 20 and _sqnr(reference.weight.grad, layer.weight.grad) >= 20
     torch.testing.assert_close(layer.bias.grad, reference.bias.grad, rtol=1e-2, atol=1e-2)
+
+
+class OutputAddedToInPlace(nn.Module):
+    """Falcon's decoder layer: ``mlp_output += attention_output``, an in-place add on a linear's output."""
+
+    def __init__(self, out_features, bias):
+        super().__init__()
+        self.first = nn.Linear(64, out_features, bias=bias)
+        self.second = nn.Linear(64, out_features, bias=bias)
+
+    def forward(self, x):
+        out = self.first(x)
+        out += self.second(x)
+        return out
+
+
+@pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
+@pytest.mark.parametrize("out_features", [64, 1000], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_a_linear_output_written_in_place_runs_in_fp8(out_features, bias):
+    """The FP8 linear's output is not a view made inside its autograd.Function, which autograd would
+    refuse to let the caller write in place (the pass was skipped on Falcon's graphs)."""
+    torch.manual_seed(0)
+    model = OutputAddedToInPlace(out_features, bias).bfloat16()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    _, decisions = _inspected_fp8(model, x)
+    assert set(decisions) == {"first.weight", "second.weight"}
+    assert all(d.startswith("fp8 e4m3/e5m2") for d in decisions.values())
+    model.zero_grad()
+    out = flash_inductor.compile(model, **FP8_ALL)(x)
+    out_ref = reference(x)
+    grad_out = torch.randn_like(out_ref)
+    out.backward(grad_out)
+    out_ref.backward(grad_out)
+    assert _sqnr(out_ref, out) >= 25
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        assert _sqnr(p_ref.grad, p.grad) >= 20, name
+
+
+class CheckpointedBlocks(nn.Module):
+    """Two blocks, the first run under ``torch.utils.checkpoint`` (Dynamo captures it as a region
+    whose body takes the block's weights as operands)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(2))
+
+    def forward(self, x):
+        x = x + torch.utils.checkpoint.checkpoint(self.blocks[0], x, use_reentrant=False)
+        return x + self.blocks[1](x)
+
+
+@pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
+def test_linears_in_an_activation_checkpointed_region_run_in_fp8():
+    torch.manual_seed(0)
+    model = CheckpointedBlocks().bfloat16()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    _, decisions = _inspected_fp8(model, x)
+    assert decisions == {f"blocks.{i}.{j}.weight": "fp8 e4m3/e5m2" for i in range(2) for j in (0, 2)}
+    model.zero_grad()
+    out = flash_inductor.compile(model, **FP8_ALL)(x)
+    out_ref = reference(x)
+    grad_out = torch.randn_like(out_ref)
+    out.backward(grad_out)
+    out_ref.backward(grad_out)
+    assert _sqnr(out_ref, out) >= 25
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        assert _sqnr(p_ref.grad, p.grad) >= 20, name
+    torch._dynamo.reset()
+    delayed = dict(FP8_ALL, fp8="delayed")
+    flash_inductor.prepare_fp8(model, **delayed)
+    graph = flash_inductor.inspect(flash_inductor.compile(model, **delayed), x).graph("model")
+    decisions = {subject: decision for _, subject, decision in graph.decisions}
+    assert decisions["blocks.0.0.weight"].startswith("bf16: in an activation-checkpointed region, where only fp8='tensorwise'")
+    assert decisions["blocks.1.0.weight"] == "fp8 e4m3/e5m2, delayed scaling"
+
+
+class OtherParameterMatmuls(nn.Module):
+    """Matmuls on parameters that are not a linear's 2-D weight: a slice of a 3-D expert weight, a
+    parameter as the left operand, a batched matmul, and a grouped matmul (Hugging Face's default
+    for mixture-of-experts layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(4, 32, 64) * 0.1)
+        self.left = nn.Parameter(torch.randn(16, 8) * 0.1)
+        self.batched = nn.Parameter(torch.randn(2, 64, 32) * 0.1)
+
+    def forward(self, x):
+        a = F.linear(x, self.experts[1])
+        b = self.left @ x[:8]
+        c = torch.bmm(x.view(2, 8, 64), self.batched)
+        offsets = torch.tensor([4, 8, 12, 16], dtype=torch.int32)
+        d = torch._grouped_mm(x, self.experts.transpose(-2, -1), offs=offsets)
+        return a.sum() + b.sum() + c.sum() + d.sum()
+
+
+def test_every_other_matmul_on_a_parameter_is_reported_in_bf16_with_its_reason():
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    model = OtherParameterMatmuls().bfloat16()
+    graph, _ = _inspected_fp8(model, x)
+    view = "with the parameter (shape {}) or a view or slice of it as an operand, not as a linear's 2-D weight"
+    assert [(subject, decision) for _, subject, decision in graph.decisions] == [
+        ("experts", "bf16: linear " + view.format((4, 32, 64))),
+        ("left", "bf16: matmul " + view.format((16, 8))),
+        ("batched", "bf16: batched matmul " + view.format((2, 64, 32))),
+        ("experts", "bf16: grouped matmul (a mixture of experts' weights): FP8 grouped GEMMs are not supported"),
+    ]

@@ -272,3 +272,33 @@ class GraphModule(torch.nn.Module):
         l_args_0_ = L_args_0_
         fp8_linear: "f32[4, 16]cpu" = flash_inductor_fp8_linear_fp8_linear(l_args_0_, l_fn_parameters_weight_, None, power_of_two = False, amax_history = weight_fp8_amax_history, scale = weight_fp8_scale, grad_amax_history = weight_fp8_grad_amax_history, grad_scale = weight_fp8_grad_scale);  l_args_0_ = l_fn_parameters_weight_ = weight_fp8_amax_history = weight_fp8_scale = weight_fp8_grad_amax_history = weight_fp8_grad_scale = None
         return (fp8_linear,)""")
+
+    def test_fp8_linear_in_an_activation_checkpointed_region(self):
+        """A linear inside ``torch.utils.checkpoint`` is rewritten in the region's body, its weight being
+        an operand of the region."""
+
+        class Checkpointed(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = nn.Linear(32, 16, bias=False)
+
+            def forward(self, x):
+                return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+        options = {"compiler": "eager", "fp8": "tensorwise", "fp8_min_weight_numel": 0}
+        report = flash_inductor.inspect(flash_inductor.compile(Checkpointed(), **options), torch.randn(4, 32))
+        code = next(s.code for s in report.graph("model").stages if s.name == "fp8_linear")
+        self.assertExpectedInline(without_comments(code), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[4, 32]cpu", L_self_modules_inner_parameters_weight_: "f32[16, 32]cpu"):
+        l_x_ = L_x_
+        l_self_modules_inner_parameters_weight_ = L_self_modules_inner_parameters_weight_
+        wrap_body_0 = self.wrap_body_0
+        tag_activation_checkpoint = torch.ops.higher_order.tag_activation_checkpoint(wrap_body_0, l_x_, l_self_modules_inner_parameters_weight_, use_reentrant = False);  wrap_body_0 = l_x_ = l_self_modules_inner_parameters_weight_ = None
+        getitem: "f32[4, 16]cpu" = tag_activation_checkpoint[0];  tag_activation_checkpoint = None
+        return (getitem,)
+    class wrap_body_0(torch.nn.Module):
+        def forward(self, l_x_: "f32[4, 32]cpu", l_self_modules_inner_parameters_weight_: "f32[16, 32]cpu"):
+            fp8_linear = flash_inductor_fp8_linear_fp8_linear(l_x_, l_self_modules_inner_parameters_weight_, None, power_of_two = False);  l_x_ = l_self_modules_inner_parameters_weight_ = None
+            return (fp8_linear,)""")
+

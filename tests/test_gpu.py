@@ -1,11 +1,17 @@
 """GPU (CUDA + Triton) checks: run on the H200 with ``pytest -m gpu tests``; skipped without CUDA."""
 
+import copy
+import re
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
 
 import flash_inductor
 from flash_inductor import roles, triton_adam
+from flash_inductor.formats.fp8 import sqnr_db
+from flash_inductor.pipeline import PassFailed
 from helpers import assert_same_bits, ref_decode_state, stored_bits
 from reference import FLOOR_SCALE, GROUP, ref_split_decode
 from test_optimizer_numerics import check_one_step_against_fp64_reference, compare_with_expected_steps, expected_steps
@@ -375,8 +381,6 @@ def test_an_fp8_tensor_that_is_transposed_is_stored_once():
     """fp8_transpose_source: the e5m2 cast of a gradient that the transpose kernel and the dx GEMM
     both read is stored once, where without the pass Inductor stores it twice (a copy for the
     transpose, then the cast itself for the GEMM), and the gradients are the bits of that backward."""
-    import re
-
     from torch._inductor.utils import run_and_get_code
 
     x = torch.randn(256, 512, device="cuda", requires_grad=True)
@@ -395,6 +399,32 @@ def test_an_fp8_tensor_that_is_transposed_is_stored_once():
     assert (runs[0][0], runs[1][0]) == (4, 6), (runs[0][0], runs[1][0])
     for once, twice in zip(runs[0][1], runs[1][1]):
         assert torch.equal(once, twice)
+
+
+def test_fp8_linears_in_a_checkpointed_region_run_scaled_mm_in_forward_and_recompute():
+    """A block under torch.utils.checkpoint: its linears run as FP8 GEMMs in the forward and again
+    in the backward's recompute (3 forward GEMMs, then 3 recomputed and 6 gradient GEMMs per pair of
+    linears, inside and outside the region), and the gradients are FP8's against bf16's."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(512, 1024, bias=False), nn.GELU(), nn.Linear(1024, 512, bias=False))
+    model = nn.ModuleList([block, nn.Linear(512, 512, bias=False)]).cuda().bfloat16()
+    reference = copy.deepcopy(model)
+
+    def forward(m, x):
+        return m[1](x + torch.utils.checkpoint.checkpoint(m[0], x, use_reentrant=False)).float().square().mean()
+
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    compiled = flash_inductor.compile(lambda t: forward(model, t), fp8="tensorwise", fp8_min_weight_numel=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PassFailed)
+        _, codes = run_and_get_code(lambda: compiled(x).backward())
+    forward(reference, x).backward()
+    gemms = [len(re.findall(r"_scaled_mm[\w.]*\(", code)) for code in codes]
+    assert gemms == [3, 2 + 3 * 2], gemms  # the block's 2 recomputed, then 2 gradient GEMMs a linear
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        assert sqnr_db(p_ref.grad.float(), p.grad.float()) >= 20, name
 
 
 @pytest.mark.parametrize("gradient_format", ["e5m2", "e4m3"])

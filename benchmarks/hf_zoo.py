@@ -1,0 +1,240 @@
+"""Hugging Face architectures as users bring them: each built from a small config (random init, no
+download), trained a few steps through ``@flash_inductor.train_step``, without and with FP8, beside
+the stock step, and what the backend made of each.
+
+    python benchmarks/hf_zoo.py [--device cpu|cuda] [--size tiny|small] [--models qwen3,falcon,...]
+                                [--rows stock,flashoptim,flashoptim_fp8] [--steps 8] [--compiler inductor|eager]
+                                [--out benchmarks/results/hf_zoo_....json]
+
+Rows: ``stock`` (fp32 parameters, torch's AdamW, fused on CUDA, with bf16 autocast and
+``torch.compile(model)`` there; eager on the CPU), ``flashoptim`` (``train_step``: 24-bit masters,
+8-bit states) and ``flashoptim_fp8`` (the same with ``fp8="tensorwise"``; every eligible linear at
+``--size tiny``). Every row trains on one fixed batch of random tokens (the loss falls as the model
+memorizes it), dropout off, so the rows' losses are comparable step by step.
+
+Per architecture and row: whether it trains (else the error), the first and last losses, the FP8
+decisions (how many matmuls on parameters run in FP8, the reasons of the others), the graph breaks
+other than the train step's own two (``loss.backward()`` and the prepared ``optimizer.step()``), the
+``PassFailed`` warnings, bytes per parameter (``memory_report``), and on CUDA the median step time
+and the peak memory after the first step.
+"""
+
+import argparse
+import collections
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+
+import flash_inductor
+from flash_inductor import inspection
+from flash_inductor.pipeline import PassFailed
+
+# The dims of each size; each architecture's config takes them under its own names.
+SIZES = {
+    "tiny": dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, batch=2, seq=32),
+    "small": dict(vocab=32000, hidden=1024, inter=2816, layers=4, heads=16, kv_heads=4, batch=4, seq=1024),
+}
+
+
+def _decoder(config_class, model_class, **extra):
+    """A Llama-like decoder's builder; ``extra``: more config fields."""
+    def build(T, d):
+        config = getattr(T, config_class)(
+            vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"],
+            num_hidden_layers=d["layers"], num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"],
+            head_dim=d["hidden"] // d["heads"], max_position_embeddings=max(64, d["seq"]), **extra)
+        return getattr(T, model_class)(config)
+    return build
+
+
+def _moe(config_class, model_class, experts_key, **extra):
+    """A mixture of experts (4, 2 per token) of a Llama-like decoder."""
+    return _decoder(config_class, model_class, num_experts_per_tok=2, **{experts_key: 4}, **extra)
+
+
+ARCHITECTURES = {
+    "qwen2": _decoder("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": _decoder("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": _decoder("MistralConfig", "MistralForCausalLM"),
+    "gemma2": _decoder("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": _decoder("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": _decoder("Phi3Config", "Phi3ForCausalLM", pad_token_id=0),
+    "mixtral": _moe("MixtralConfig", "MixtralForCausalLM", "num_local_experts"),
+    "qwen3_moe": _moe("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "num_experts"),
+    "gpt_neox": lambda T, d: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], max_position_embeddings=max(64, d["seq"]))),
+    "opt": lambda T, d: T.OPTForCausalLM(T.OPTConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], ffn_dim=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], word_embed_proj_dim=d["hidden"], max_position_embeddings=max(64, d["seq"]))),
+    "bloom": lambda T, d: T.BloomForCausalLM(T.BloomConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], n_layer=d["layers"], n_head=d["heads"])),
+    "falcon": lambda T, d: T.FalconForCausalLM(T.FalconConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], num_hidden_layers=d["layers"], num_attention_heads=d["heads"])),
+    "bert": lambda T, d: T.BertForMaskedLM(T.BertConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], max_position_embeddings=max(64, d["seq"]))),
+    "t5": lambda T, d: T.T5ForConditionalGeneration(T.T5Config(
+        vocab_size=d["vocab"], d_model=d["hidden"], d_ff=d["inter"], num_layers=d["layers"], num_heads=d["heads"],
+        d_kv=d["hidden"] // d["heads"], decoder_start_token_id=0, pad_token_id=0)),
+}
+ROWS = ("stock", "flashoptim", "flashoptim_fp8")
+# A train step's own graph breaks: at loss.backward(), and where the prepared optimizer's step runs.
+OWN_BREAKS = ("Tensor.backward()", "torch.compiler.disable()")
+
+
+def build_model(name, size, device):
+    import transformers
+
+    torch.manual_seed(0)
+    model = ARCHITECTURES[name](transformers, SIZES[size])
+    for module in model.modules():  # dropout off: the rows compare step by step
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key, value in vars(model.config).items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(model.config, key, 0.0)
+    return model.to(device)
+
+
+def make_step(name, row, model, args):
+    """``step(batch) -> loss`` for ``row``, and its optimizer."""
+    cuda = args.device.startswith("cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=cuda if row == "stock" else None)
+
+    def step(batch):
+        with torch.autocast(args.device.split(":")[0], torch.bfloat16, enabled=cuda and row == "stock"):
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    if row == "stock":
+        if cuda and args.compiler == "inductor":
+            model.compile()
+        return step, opt
+    options = dict(fp8="tensorwise") if row == "flashoptim_fp8" else {}
+    if row == "flashoptim_fp8" and args.size == "tiny":
+        options["fp8_min_weight_numel"] = 0
+    if args.compiler == "eager":
+        options["compiler"] = "eager"
+    return flash_inductor.train_step(step, model=model, optimizer=opt, **options), opt
+
+
+def run_row(name, row, args):
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    result = dict(ok=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PassFailed)
+        try:
+            torch._dynamo.reset()
+            model = build_model(name, args.size, device)
+            result["num_params"] = sum(p.numel() for p in model.parameters())
+            step, opt = make_step(name, row, model, args)
+            dims = SIZES[args.size]
+            ids = torch.randint(0, dims["vocab"], (dims["batch"], dims["seq"]), generator=torch.Generator().manual_seed(1))
+            batch = dict(input_ids=ids.to(device), labels=ids.to(device))
+            losses, seconds, report = [], [], inspection.Report()
+            for i in range(args.steps):
+                if cuda:
+                    torch.cuda.synchronize()
+                    if i == 1:
+                        torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                if i == 0:
+                    with inspection.collecting(report):
+                        loss = step(batch)
+                else:
+                    loss = step(batch)
+                losses.append(loss.item())
+                seconds.append(time.perf_counter() - start)
+            result.update(ok=True, losses=losses, first_step_s=seconds[0], median_step_ms=1e3 * statistics.median(seconds[1:]))
+            decisions = [d for g in report.graphs for p, _, d in g.decisions if p == "fp8_linear"]
+            result["fp8"] = sum(d.startswith("fp8") for d in decisions)
+            result["bf16"] = dict(collections.Counter(d for d in decisions if not d.startswith("fp8")))
+            result["other_graph_breaks"] = sorted({f"{b.location}: {b.headline}" for b in report.graph_breaks
+                                                   if not any(own in b.headline for own in OWN_BREAKS)})
+            if row != "stock":
+                result["bytes_per_param"] = flash_inductor.memory_report(model, opt).total_per_param
+            if cuda:
+                result["steady_peak_bytes"] = torch.cuda.max_memory_allocated()
+        except Exception as error:  # noqa: BLE001 - a row that fails is a finding, reported
+            result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            result["traceback"] = traceback.format_exc(limit=-4)
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()
+    result["pass_failed"] = sorted({str(w.message)[:300] for w in caught if issubclass(w.category, PassFailed)})
+    return result
+
+
+def print_table(results):
+    print(f"\n{'model':10s} {'row':15s} {'status':6s} {'loss first→last':>17s} {'vs stock':>8s} {'fp8':>4s} "
+          f"{'B/param':>7s} {'ms/step':>8s} {'peak MiB':>9s}  notes")
+    for name, rows in results.items():
+        stock = rows.get("stock", {})
+        for row, r in rows.items():
+            if not r["ok"]:
+                print(f"{name:10s} {row:15s} FAILED {r['error']}")
+                continue
+            vs = f"{100 * (r['losses'][-1] / stock['losses'][-1] - 1):+.1f}%" if stock.get("ok") and row != "stock" else ""
+            peak = f"{r['steady_peak_bytes'] / 2**20:9.0f}" if "steady_peak_bytes" in r else f"{'':9s}"
+            notes = [f"{n}x {reason}" for reason, n in r.get("bf16", {}).items()] + r["other_graph_breaks"] + [
+                f"PassFailed: {m}" for m in r["pass_failed"]]
+            print(f"{name:10s} {row:15s} ok     {r['losses'][0]:7.3f}→{r['losses'][-1]:7.3f} {vs:>8s} {r.get('fp8', 0):4d} "
+                  f"{r.get('bytes_per_param', 0):7.2f} {r['median_step_ms']:8.1f} {peak}  " + " | ".join(notes))
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", choices=sorted(SIZES), default=None, help="default: small on CUDA, tiny on the CPU")
+    parser.add_argument("--models", default=",".join(ARCHITECTURES))
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--compiler", choices=("inductor", "eager"), default="inductor")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    args.size = args.size or ("small" if args.device.startswith("cuda") else "tiny")
+    for model in args.models.split(","):
+        if model not in ARCHITECTURES:
+            parser.error(f"--models: unknown {model!r}; known: {', '.join(ARCHITECTURES)}")
+    for row in args.rows.split(","):
+        if row not in ROWS:
+            parser.error(f"--rows: unknown {row!r}; known: {', '.join(ROWS)}")
+    return args
+
+
+def main(argv=None):
+    import transformers
+
+    args = parse_args(argv)
+    info = dict(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
+                torch=torch.__version__, transformers=transformers.__version__, size=args.size, dims=SIZES[args.size],
+                steps=args.steps, lr=args.lr, compiler=args.compiler, date=time.strftime("%Y-%m-%d %H:%M"))
+    results = {}
+    for name in args.models.split(","):
+        results[name] = {}
+        for row in args.rows.split(","):
+            results[name][row] = run_row(name, row, args)
+            r = results[name][row]
+            print(f"{name} {row}: " + (f"losses {r['losses'][0]:.3f} → {r['losses'][-1]:.3f}" if r["ok"] else r["error"]),
+                  flush=True)
+            if args.out:  # after each row: a run cut short keeps what it measured
+                pathlib.Path(args.out).write_text(json.dumps(dict(info=info, results=results), indent=1))
+    print_table(results)
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)
