@@ -114,8 +114,9 @@
 #   fp8kernels issue 14: where the FP8 step's GPU time goes, kernel by kernel, on the Llama cut to 2 layers (the full
 #              model's layer shapes; CONFIGS picks rows), with Inductor's code of every graph (gzipped), which
 #              names each kernel of the profile
-#   zoo        issue 14: the FP8 GPU tests (among them linears in a checkpointed region), then Hugging Face
-#              architectures we did not write (hf_zoo.py, size small; MODELS picks them, LIMIT the seconds)
+#   zoo        issue 14: the FP8 GPU tests (among them linears in a checkpointed region; TESTS a -k selection),
+#              then Hugging Face architectures we did not write (hf_zoo.py, size small; MODELS picks them, STEPS,
+#              LR, LIMIT the seconds); PART=tests or PART=zoo runs one of the two
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -513,11 +514,15 @@ case $stage in
       --measure-every 25 --candidates "${CANDIDATES:-companded,companded_m_only,companded_v_only,fp8lm,root4_v,sr_v,sr}"
     ;;
   zoo)
-    timeout 200 python -m pytest -v -m gpu tests/test_gpu.py -k "fp8 or checkpoint or transpose" 2>&1 \
-      | grep -v "^DEBUG" > "$out/gpu_tests_zoo_h200.log"
-    tail -4 "$out/gpu_tests_zoo_h200.log"
-    logged "${NAME:-hf_zoo_small_h200}" "${LIMIT:-330}" hf_zoo.py --device cuda --size small \
-      --models "${MODELS:-qwen3,gemma3,phi3,falcon,mixtral}" --steps 12
+    if [ "${PART:-all}" != zoo ]; then
+      timeout 200 python -m pytest -v -m gpu tests/test_gpu.py -k "${TESTS:-fp8 or checkpoint or transpose}" 2>&1 \
+        | grep -v "^DEBUG" > "$out/${TESTS_NAME:-gpu_tests_zoo_h200}.log"
+      tail -4 "$out/${TESTS_NAME:-gpu_tests_zoo_h200}.log"
+    fi
+    if [ "${PART:-all}" != tests ]; then
+      logged "${NAME:-hf_zoo_small_h200}" "${LIMIT:-330}" hf_zoo.py --device cuda --size small \
+        --models "${MODELS:-qwen3,gemma3,phi3,falcon,mixtral}" --steps "${STEPS:-12}" --lr "${LR:-1e-3}"
+    fi
     ;;
   multigpu)
     # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else

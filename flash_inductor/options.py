@@ -36,6 +36,10 @@ class Options:
         (``_scaled_mm(use_fast_accum=True)``, torchao's default for the output GEMM); the gradient
         GEMMs always accumulate in fp32.
     fp8_min_weight_numel: smallest weight (elements) worth an FP8 GEMM.
+    fp8_output_layer: also run the output layer in FP8: the linear whose output the graph's loss
+        reads (a language model's head; its logits reach ``cross_entropy``, ``nll_loss`` or
+        ``log_softmax``), which otherwise stays bf16, as torchtitan and torchao's recipes keep it:
+        the loss is the most sensitive to it (docs/benchmarks.md, "Hugging Face clients").
     fp8_exclude: fnmatch patterns of module names kept in bf16 (e.g. the first and last layers).
     fp8_filter: callable(module name) -> bool; False keeps that linear in bf16.
     fp8_all_gather: under FSDP2, all-gather the FP8 linears' weights in e4m3 with one scale agreed by
@@ -65,6 +69,7 @@ class Options:
     fp8_power_of_two_scales: bool = False
     fp8_fast_accum: bool = False
     fp8_min_weight_numel: int = 1 << 20
+    fp8_output_layer: bool = False
     fp8_exclude: tuple[str, ...] = ()
     fp8_filter: Any = None
     fp8_all_gather: bool = False
@@ -107,6 +112,7 @@ class Options:
             fp8_power_of_two_scales=_flag(options, "fp8_power_of_two_scales"),
             fp8_fast_accum=_flag(options, "fp8_fast_accum"),
             fp8_min_weight_numel=_int(options, "fp8_min_weight_numel", "non-negative", 0, cls.fp8_min_weight_numel),
+            fp8_output_layer=_flag(options, "fp8_output_layer"),
             fp8_exclude=_strings(options, "fp8_exclude", "str (fnmatch patterns of module names)", ["layers.0.*", "lm_head"]),
             fp8_filter=_callable(options, "fp8_filter", "a callable taking a module name"),
             fp8_all_gather=fp8_all_gather,

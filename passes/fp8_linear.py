@@ -140,8 +140,8 @@ MATMULS = {torch._grouped_mm: "grouped matmul (a mixture of experts' weights): F
            torch.mm: "matmul", torch.addmm: "matmul", torch.einsum: "einsum", torch.functional.einsum: "einsum",
            torch._C._nn.linear: "linear", torch.nn.functional.linear: "linear"}
 # Ops through which an operand is still the parameter's values (a view, a slice, a copy in another dtype).
-_SAME_VALUES = {"t", "transpose", "permute", "view", "reshape", "contiguous", "to", "float", "bfloat16", "__getitem__",
-                "select", "expand", "unsqueeze", "squeeze"}
+_SAME_VALUES = {"t", "transpose", "permute", "view", "reshape", "flatten", "contiguous", "clone", "to", "float", "bfloat16",
+                "__getitem__", "select", "narrow", "expand", "unsqueeze", "squeeze"}
 
 
 def parameter_behind(node, ctx):
@@ -176,8 +176,48 @@ def _unsupported_matmuls(gm, ctx, decided):
             break
 
 
-def _decide(weight, layout, name, ctx):
-    """``None`` when eligible, else why not."""
+# Where a language model's logits end: the linear that produces them is the output layer.
+_LOSSES = {torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss, torch.nn.functional.log_softmax,
+           torch.log_softmax, torch._C._nn.cross_entropy_loss}
+
+
+# Elementwise ops with no other tensor operand that logits pass through (Gemma 2's soft-capping:
+# tanh(logits / cap) * cap).
+_SCALED = {operator.truediv, operator.mul, torch.tanh, "div", "mul", "tanh"}
+
+
+def feeds_loss(node):
+    """Whether ``node``'s value reaches a loss (``_LOSSES``) through views, slices, casts and
+    scalings only."""
+    for user in node.users:
+        if user.op == "call_function" and user.target in _LOSSES or user.op == "call_method" and user.target == "log_softmax":
+            return True
+        name = user.target if user.op == "call_method" else getattr(user.target, "__name__", None)
+        passes_on = name in _SAME_VALUES or user.target is operator.getitem or (
+            (name in _SCALED or user.target in _SCALED) and sum(isinstance(a, fx.Node) for a in user.args) == 1)
+        if user.args and user.args[0] is node and passes_on and feeds_loss(user):
+            return True
+    return False
+
+
+def is_tied_embedding(weight):
+    """Whether ``weight`` is also an embedding's table (a language model's head tied to it)."""
+    return any(u.op == "call_function" and u.target is torch.nn.functional.embedding and u.args[1] is weight
+               for u in weight.users)
+
+
+def _decide(weight, layout, name, ctx, node):
+    """``None`` when the linear ``node`` of ``weight`` is eligible, else why not."""
+    reason = _decide_weight(weight, layout, name, ctx)
+    if reason is None and not ctx.options.fp8_output_layer:
+        if feeds_loss(node):
+            return "the output layer: the loss reads its output (fp8_output_layer=True puts it in FP8)"
+        if is_tied_embedding(weight):
+            return "the output layer: its weight is the input embedding's (fp8_output_layer=True puts it in FP8)"
+    return reason
+
+
+def _decide_weight(weight, layout, name, ctx):
     if layout == IN_OUT and not isinstance(ctx.inputs.get(weight.name), torch.nn.Parameter):
         return "right operand is not a parameter"  # x @ y of two inputs: not a layer's matmul
     value = _used_as(weight, layout)
@@ -254,7 +294,7 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
         decided.add(node)
         layout = linear[3]
         name = graph_utils.input_name(weight)
-        reason = _decide(weight, layout, name, ctx)
+        reason = _decide(weight, layout, name, ctx, node)
         if reason is None and body is not None and (ctx.options.fp8 == "delayed" or ctx.options.fp8_all_gather):
             # Their per-layer state would have to enter the region as operands of its own.
             reason = ("in an activation-checkpointed region, where only fp8='tensorwise' without "

@@ -404,3 +404,36 @@ def test_every_other_matmul_on_a_parameter_is_reported_in_bf16_with_its_reason()
         ("batched", "bf16: batched matmul " + view.format((2, 64, 32))),
         ("experts", "bf16: grouped matmul (a mixture of experts' weights): FP8 grouped GEMMs are not supported"),
     ]
+
+
+class TinyLM(nn.Module):
+    """An embedding, a hidden linear and a head: tied to the embedding (the model returns the logits,
+    as a Hugging Face model that graph-breaks before its loss), or a linear of its own (the model
+    returns the loss)."""
+
+    def __init__(self, tied):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.hidden = nn.Linear(32, 32)
+        self.head = None if tied else nn.Linear(32, 64, bias=False)
+
+    def forward(self, ids):
+        h = self.hidden(self.embed(ids))
+        if self.head is None:
+            return h @ self.embed.weight.t()
+        return F.cross_entropy(self.head(h).float().flatten(0, 1), ids.flatten())
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "own head"])
+def test_the_output_layer_stays_bf16_unless_asked(tied):
+    """The head whose logits the loss reads, or whose weight is the embedding's, stays bf16 by default
+    (it costs the most loss in FP8); ``fp8_output_layer=True`` puts it in FP8."""
+    head = "embed.weight" if tied else "head.weight"
+    why = "its weight is the input embedding's" if tied else "the loss reads its output"
+    ids = torch.randint(0, 64, (4, 16))
+    for output_layer, decision in [(False, f"bf16: the output layer: {why} (fp8_output_layer=True puts it in FP8)"),
+                                   (True, "fp8 e4m3/e5m2")]:
+        options = dict(FP8_ALL, fp8_output_layer=output_layer)
+        graph = flash_inductor.inspect(flash_inductor.compile(TinyLM(tied), **options), ids).graph("model")
+        torch._dynamo.reset()
+        assert {s: d for _, s, d in graph.decisions} == {"hidden.weight": "fp8 e4m3/e5m2", head: decision}
