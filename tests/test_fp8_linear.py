@@ -296,6 +296,20 @@ def test_dims_off_16_are_zero_padded_where_that_adds_at_most_1_percent(features)
     torch.testing.assert_close(layer.bias.grad, reference.bias.grad, rtol=1e-2, atol=1e-2)
 
 
+def _check_fp8_against_bf16(model, reference, x):
+    """``model`` compiled with ``FP8_ALL`` against its bf16 copy ``reference``: output and every
+    parameter's gradient within the FP8 bars (25 and 20 dB)."""
+    model.zero_grad()
+    out = flash_inductor.compile(model, **FP8_ALL)(x)
+    out_ref = reference(x)
+    grad_out = torch.randn_like(out_ref)
+    out.backward(grad_out)
+    out_ref.backward(grad_out)
+    assert _sqnr(out_ref, out) >= 25
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        assert _sqnr(p_ref.grad, p.grad) >= 20, name
+
+
 class OutputAddedToInPlace(nn.Module):
     """Falcon's decoder layer: ``mlp_output += attention_output``, an in-place add on a linear's output."""
 
@@ -323,15 +337,7 @@ def test_a_linear_output_written_in_place_runs_in_fp8(out_features, bias):
     _, decisions = _inspected_fp8(model, x)
     assert set(decisions) == {"first.weight", "second.weight"}
     assert all(d.startswith("fp8 e4m3/e5m2") for d in decisions.values())
-    model.zero_grad()
-    out = flash_inductor.compile(model, **FP8_ALL)(x)
-    out_ref = reference(x)
-    grad_out = torch.randn_like(out_ref)
-    out.backward(grad_out)
-    out_ref.backward(grad_out)
-    assert _sqnr(out_ref, out) >= 25
-    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
-        assert _sqnr(p_ref.grad, p.grad) >= 20, name
+    _check_fp8_against_bf16(model, reference, x)
 
 
 class CheckpointedBlocks(nn.Module):
@@ -355,15 +361,7 @@ def test_linears_in_an_activation_checkpointed_region_run_in_fp8():
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
     _, decisions = _inspected_fp8(model, x)
     assert decisions == {f"blocks.{i}.{j}.weight": "fp8 e4m3/e5m2" for i in range(2) for j in (0, 2)}
-    model.zero_grad()
-    out = flash_inductor.compile(model, **FP8_ALL)(x)
-    out_ref = reference(x)
-    grad_out = torch.randn_like(out_ref)
-    out.backward(grad_out)
-    out_ref.backward(grad_out)
-    assert _sqnr(out_ref, out) >= 25
-    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
-        assert _sqnr(p_ref.grad, p.grad) >= 20, name
+    _check_fp8_against_bf16(model, reference, x)
     torch._dynamo.reset()
     delayed = dict(FP8_ALL, fp8="delayed")
     flash_inductor.prepare_fp8(model, **delayed)
