@@ -34,8 +34,11 @@ of 50257 rows; ``fp8_linear.padded_shape``), the weight has at least ``fp8_min_w
 elements (smaller GEMMs do not pay for the casts), and its module name passes ``fp8_exclude``
 (fnmatch patterns, e.g. the first and last layers) and ``fp8_filter`` (a callable on the module
 name, like torchao's ``module_filter_fn``); with ``fp8="delayed"`` it must also have delayed-scaling
-state (else it stays bf16, with a warning that says how to add it). Every linear's decision is
-recorded for inspection. Option ``fp8_fast_accum`` adds ``fast_accum=True`` (the forward GEMM in
+state (else it stays bf16, with a warning that says how to add it). The output layer stays bf16
+unless ``fp8_output_layer``: a linear whose output reaches a loss (``cross_entropy``, ``nll_loss``,
+``log_softmax``) through views, casts and scalings only, or whose weight is also an embedding's
+table (a head tied to the input embedding, whose loss may be in another graph). Every linear's
+decision is recorded for inspection. Option ``fp8_fast_accum`` adds ``fast_accum=True`` (the forward GEMM in
 the tensor cores' fast accumulation mode).
 
 A linear inside an activation-checkpointed region (``torch.utils.checkpoint``, which Dynamo captures
