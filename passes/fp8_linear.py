@@ -54,7 +54,8 @@ so the input graph is left as it was::
 Only current scaling runs there (delayed scaling's and ``fp8_all_gather``'s per-layer state would
 have to enter the region as operands of its own); such linears stay bf16 with that reason.
 Every other matmul on a parameter (a slice of a 3-D expert weight, a parameter as the left or
-batched operand, ``torch._grouped_mm`` of a mixture of experts) is reported in bf16 with its reason.
+batched operand, ``torch._grouped_mm`` of a mixture of experts), in the graph or a region's body,
+is reported in bf16 with its reason.
 
 Under FSDP2 with ``fp8_all_gather`` an eligible weight arrives already in e4m3 (an ``Fp8Weight``,
 ``flash_inductor/fp8_all_gather.py``); the rewrite is the same, and ``fp8_linear`` uses its e4m3 data
@@ -147,9 +148,13 @@ _SAME_VALUES = {"t", "transpose", "permute", "view", "reshape", "flatten", "cont
                 "__getitem__", "select", "narrow", "expand", "unsqueeze", "squeeze"}
 
 
-def parameter_behind(node, ctx):
-    """The parameter input whose values ``node`` is (itself, or a view, slice or cast of it), else None."""
+def parameter_behind(node, ctx, operands):
+    """The parameter input whose values ``node`` is (itself, or a view, slice or cast of it), else
+    None; ``operands`` maps a region body's inputs to the region's operands (``_regions``)."""
     while isinstance(node, fx.Node):
+        if node in operands:
+            node = operands[node]
+            continue
         if node.op in ("placeholder", "get_attr"):
             return node if isinstance(ctx.inputs.get(node.name), torch.nn.Parameter) else None
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
@@ -160,15 +165,18 @@ def parameter_behind(node, ctx):
 
 
 def _unsupported_matmuls(gm, ctx, decided):
-    """``(name, reason)`` for each matmul of ``gm`` with a parameter operand that is not among the
-    linears already ``decided``: why it stays bf16."""
-    for node in gm.graph.nodes:
-        what = MATMULS.get(node.target) if node.op == "call_function" else None
-        if what is None or node in decided:
-            continue
-        operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
-        for operand in operands:
-            param = parameter_behind(operand, ctx)
+    """``(name, reason)`` for each matmul of ``gm`` and of its regions' bodies with a parameter
+    operand that is not among the linears already ``decided``: why it stays bf16."""
+    for _, module, region_operands in _regions(gm):
+        for node in module.graph.nodes:
+            yield from _unsupported_matmul(node, ctx, decided, region_operands)
+
+
+def _unsupported_matmul(node, ctx, decided, region_operands):
+    what = MATMULS.get(node.target) if node.op == "call_function" else None
+    if what is not None and node not in decided:
+        for operand in [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]:
+            param = parameter_behind(operand, ctx, region_operands)
             if param is None:
                 continue
             shape = tuple(param.meta["example_value"].shape) if "example_value" in param.meta else "?"
@@ -176,7 +184,7 @@ def _unsupported_matmuls(gm, ctx, decided):
                 f"{what} with the parameter (shape {shape}) or a view or slice of it as an operand, not as a linear's "
                 "2-D weight")
             yield graph_utils.input_name(param), detail
-            break
+            return
 
 
 # Where a language model's logits end: the linear that produces them is the output layer.
@@ -268,22 +276,27 @@ def _bind_delayed_state(gm, weight, name, ctx, bound):
     return kwargs
 
 
-def _linears(gm):
-    """``(body, node, linear, weight)`` for each linear of ``gm``'s graph (``body`` None) and of
-    the bodies of its activation-checkpointed regions (``body``: the attribute holding one),
-    ``weight`` being the graph input the linear multiplies by (a region's operand, for a body's)."""
+def _regions(gm):
+    """``(body, module, operands)`` for ``gm`` (``body`` None, no operands) and for the body of each
+    of its activation-checkpointed regions (``body``: the attribute holding it), ``operands`` mapping
+    the body's inputs to the region's operands in ``gm``."""
+    yield None, gm, {}
     for node in gm.graph.nodes:
-        linear = as_linear(node)
-        if linear is not None:
-            yield None, node, linear, linear[1]
-        elif node.op == "call_function" and node.target is CHECKPOINT:
-            body = node.args[0].target
-            inputs = [n for n in getattr(gm, body).graph.nodes if n.op == "placeholder"]
-            operands = dict(zip(inputs, node.args[1:]))
-            for inner in getattr(gm, body).graph.nodes:
-                linear = as_linear(inner)
-                if linear is not None:
-                    yield body, inner, linear, operands.get(linear[1], linear[1])
+        if node.op == "call_function" and node.target is CHECKPOINT:
+            module = getattr(gm, node.args[0].target)
+            inputs = [n for n in module.graph.nodes if n.op == "placeholder"]
+            yield node.args[0].target, module, dict(zip(inputs, node.args[1:]))
+
+
+def _linears(gm):
+    """``(body, node, linear, weight)`` for each linear of ``gm`` and of its regions' bodies
+    (``_regions``), ``weight`` being the graph input the linear multiplies by (a region's operand,
+    for a body's)."""
+    for body, module, operands in _regions(gm):
+        for node in module.graph.nodes:
+            linear = as_linear(node)
+            if linear is not None:
+                yield body, node, linear, operands.get(linear[1], linear[1])
 
 
 def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]:

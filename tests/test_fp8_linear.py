@@ -373,8 +373,8 @@ def test_linears_in_an_activation_checkpointed_region_run_in_fp8():
 
 class OtherParameterMatmuls(nn.Module):
     """Matmuls on parameters that are not a linear's 2-D weight: a slice of a 3-D expert weight, a
-    parameter as the left operand, a batched matmul, and a grouped matmul (Hugging Face's default
-    for mixture-of-experts layers)."""
+    parameter as the left operand, a batched matmul, a grouped matmul (Hugging Face's default for
+    mixture-of-experts layers), and the parameter as the left operand again in a checkpointed region."""
 
     def __init__(self):
         super().__init__()
@@ -388,7 +388,8 @@ class OtherParameterMatmuls(nn.Module):
         c = torch.bmm(x.view(2, 8, 64), self.batched)
         offsets = torch.tensor([4, 8, 12, 16], dtype=torch.int32)
         d = torch._grouped_mm(x, self.experts.transpose(-2, -1), offs=offsets)
-        return a.sum() + b.sum() + c.sum() + d.sum()
+        e = torch.utils.checkpoint.checkpoint(lambda t: self.left @ t, x[:8, :16], use_reentrant=False)
+        return a.sum() + b.sum() + c.sum() + d.sum() + e.sum()
 
 
 def test_every_other_matmul_on_a_parameter_is_reported_in_bf16_with_its_reason():
@@ -401,6 +402,7 @@ def test_every_other_matmul_on_a_parameter_is_reported_in_bf16_with_its_reason()
         ("left", "bf16: matmul " + view.format((16, 8))),
         ("batched", "bf16: batched matmul " + view.format((2, 64, 32))),
         ("experts", "bf16: grouped matmul (a mixture of experts' weights): FP8 grouped GEMMs are not supported"),
+        ("left", "bf16: matmul " + view.format((16, 8))),  # in the region's body
     ]
 
 
