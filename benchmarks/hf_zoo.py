@@ -25,7 +25,6 @@ import json
 import pathlib
 import platform
 import statistics
-import sys
 import time
 import traceback
 import warnings
@@ -104,7 +103,7 @@ def build_model(name, size, device):
     return model.to(device)
 
 
-def make_step(name, row, model, args):
+def make_step(row, model, args):
     """``step(batch) -> loss`` for ``row``, and its optimizer."""
     cuda = args.device.startswith("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=cuda if row == "stock" else None)
@@ -139,7 +138,7 @@ def run_row(name, row, args):
             torch._dynamo.reset()
             model = build_model(name, args.size, device)
             result["num_params"] = sum(p.numel() for p in model.parameters())
-            step, opt = make_step(name, row, model, args)
+            step, opt = make_step(row, model, args)
             dims = SIZES[args.size]
             ids = torch.randint(0, dims["vocab"], (dims["batch"], dims["seq"]), generator=torch.Generator().manual_seed(1))
             batch = dict(input_ids=ids.to(device), labels=ids.to(device))
@@ -216,6 +215,7 @@ def parse_args(argv):
 
 
 def main(argv=None):
+    """Run every row of every model; returns {model: {row: result}}."""
     import transformers
 
     args = parse_args(argv)
@@ -237,4 +237,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    main()

@@ -148,6 +148,16 @@ _SAME_VALUES = {"t", "transpose", "permute", "view", "reshape", "flatten", "cont
                 "__getitem__", "select", "narrow", "expand", "unsqueeze", "squeeze"}
 
 
+def _op_name(node):
+    """A method's name, or a function's (``torch.tanh`` and ``x.tanh()`` are both ``"tanh"``)."""
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+
+
+def _keeps_values(node):
+    """Whether ``node`` is a view, slice or cast of its first argument (``_SAME_VALUES``)."""
+    return _op_name(node) in _SAME_VALUES or node.target is operator.getitem
+
+
 def parameter_behind(node, ctx, operands):
     """The parameter input whose values ``node`` is (itself, or a view, slice or cast of it), else
     None; ``operands`` maps a region body's inputs to the region's operands (``_regions``)."""
@@ -157,8 +167,7 @@ def parameter_behind(node, ctx, operands):
             continue
         if node.op in ("placeholder", "get_attr"):
             return node if isinstance(ctx.inputs.get(node.name), torch.nn.Parameter) else None
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
-        if name not in _SAME_VALUES and not is_transpose(node) and node.target is not operator.getitem:
+        if not (_keeps_values(node) or is_transpose(node)):
             return None
         node = node.args[0] if node.args else None
     return None
@@ -194,7 +203,7 @@ _LOSSES = {torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss, torc
 
 # Elementwise ops with no other tensor operand that logits pass through (Gemma 2's soft-capping:
 # tanh(logits / cap) * cap).
-_SCALED = {operator.truediv, operator.mul, torch.tanh, "div", "mul", "tanh"}
+_SCALED = {"truediv", "div", "mul", "tanh"}
 
 
 def feeds_loss(node):
@@ -203,9 +212,8 @@ def feeds_loss(node):
     for user in node.users:
         if user.op == "call_function" and user.target in _LOSSES or user.op == "call_method" and user.target == "log_softmax":
             return True
-        name = user.target if user.op == "call_method" else getattr(user.target, "__name__", None)
-        passes_on = name in _SAME_VALUES or user.target is operator.getitem or (
-            (name in _SCALED or user.target in _SCALED) and sum(isinstance(a, fx.Node) for a in user.args) == 1)
+        passes_on = _keeps_values(user) or (
+            _op_name(user) in _SCALED and sum(isinstance(a, fx.Node) for a in user.args) == 1)
         if user.args and user.args[0] is node and passes_on and feeds_loss(user):
             return True
     return False
@@ -334,15 +342,17 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
     if not eligible:
         return gm, []
     gm = graph_utils.copy_graph_module(gm)
-    for body in {body for body, _ in eligible if body is not None}:
-        setattr(gm, body, graph_utils.copy_graph_module(getattr(gm, body)))  # the input's stays as it was
+    names_by_body = {}
+    for body, name in eligible:
+        names_by_body.setdefault(body, []).append(name)
     bound = {}
-    for owner in {body for body, _ in eligible}:
-        module = gm if owner is None else getattr(gm, owner)
+    for body, names in names_by_body.items():
+        if body is not None:  # a copy of the region's body: the input graph's stays as it was
+            setattr(gm, body, graph_utils.copy_graph_module(getattr(gm, body)))
+        module = gm if body is None else getattr(gm, body)
         nodes = {n.name: n for n in module.graph.nodes}
-        for body, name in eligible:
-            if body == owner:
-                _rewrite(gm, module.graph, nodes[name], ctx, bound)
+        for name in names:
+            _rewrite(gm, module.graph, nodes[name], ctx, bound)
         module.graph.lint()
         module.recompile()
     return gm, [name if body is None else f"{body}.{name}" for body, name in eligible]
