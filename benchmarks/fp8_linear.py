@@ -6,6 +6,8 @@ In one process, for each shape (tokens x in_features -> out_features), these pee
     flashoptim  the same module through backend="flashoptim" with fp8="tensorwise"
     flashoptim_fast_accum  the same with fp8_fast_accum=True (torchao's forward accumulation mode)
     flashoptim_delayed  the same with fp8="delayed" (amax histories of 16)
+    bf16_cudagraphs, flashoptim_fast_accum_cudagraphs  CUDA-graphed (mode="reduce-overhead";
+                cudagraphs=True), run when named in --peers
     flashoptim_delayed_fast_accum  delayed scaling and fp8_fast_accum=True
     torchao     torchao.float8.convert_to_float8_training (tensorwise) + torch.compile, when
                 torchao is installed (benchmark only; not a project dependency)
@@ -18,6 +20,7 @@ The block rows time one pre-norm transformer block (attention + MLP, ``benchmark
 
     python benchmarks/fp8_linear.py --out benchmarks/results/fp8_linear_h200.json
     python benchmarks/fp8_linear.py --smoke          # tiny shapes, CPU, no timing claims
+    python benchmarks/fp8_linear.py --shapes 4096x1024x2816,8192x2048x5632 --blocks none --peers bf16,flashoptim
 """
 
 import argparse
@@ -65,8 +68,10 @@ def torchao_float8(module):
 
 PEERS = {
     "bf16": inductor,
+    "bf16_cudagraphs": lambda module: torch.compile(module, mode="reduce-overhead"),
     "flashoptim": flashoptim(fp8="tensorwise"),
     "flashoptim_fast_accum": flashoptim(fp8="tensorwise", fp8_fast_accum=True),
+    "flashoptim_fast_accum_cudagraphs": flashoptim(fp8="tensorwise", fp8_fast_accum=True, cudagraphs=True),
     "flashoptim_delayed": flashoptim(fp8="delayed"),
     "flashoptim_delayed_fast_accum": flashoptim(fp8="delayed", fp8_fast_accum=True),
     "torchao": torchao_float8,
@@ -100,7 +105,8 @@ def measure(name, make_module, x, dy, smoke):
     torch._dynamo.reset()
     module = PEERS[name](make_module())
     t0 = time.perf_counter()
-    out = fwd_bwd(module, x, dy)
+    # Copies: a CUDA-graphed peer's next replay overwrites its outputs.
+    out = torch.utils._pytree.tree_map(torch.clone, fwd_bwd(module, x, dy))
     compile_s = time.perf_counter() - t0
     ms = time_ms(lambda: fwd_bwd(module, x, dy), smoke)
     kernels = [] if smoke else kernel_times(lambda: fwd_bwd(module, x, dy), top=10)
@@ -140,11 +146,18 @@ def run_case(kind, shape, make_module, make_input, peers, smoke):
     return rows
 
 
+def _shapes(text):
+    """``"4096x1024x2816,..."`` -> [(4096, 1024, 2816), ...]; ``"none"`` -> []."""
+    return [] if text == "none" else [tuple(int(d) for d in shape.split("x")) for shape in text.split(",")]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="fp8_linear.json")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, not speed")
-    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--peers", default=",".join(p for p in PEERS if "cudagraphs" not in p))
+    parser.add_argument("--shapes", default=None, type=_shapes, help="linears as TOKENSxINxOUT,... (default: the anchor shapes)")
+    parser.add_argument("--blocks", default=None, type=_shapes, help="blocks as BATCHxSEQxDIMxHEADS,... or none")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     peers = args.peers.split(",")
@@ -158,13 +171,14 @@ def main():
     info = dict(torch=torch.__version__, torchao=torchao_version, python=platform.python_version(),
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu", date=time.strftime("%Y-%m-%d"))
     rows = []
-    for tokens, k, n in SMOKE_LINEAR_SHAPES if args.smoke else LINEAR_SHAPES:
+    for tokens, k, n in args.shapes or (SMOKE_LINEAR_SHAPES if args.smoke else LINEAR_SHAPES):
         torch.manual_seed(0)
         base = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
         rows += run_case("linear", (tokens, k, n), lambda: copy.deepcopy(base),
                          lambda: torch.randn(tokens, k, device=device, dtype=torch.bfloat16), peers, args.smoke)
         _write(args.out, info, rows)
-    for batch, seq, dim, heads in SMOKE_BLOCK_SHAPES if args.smoke else BLOCK_SHAPES:
+    for batch, seq, dim, heads in args.blocks if args.blocks is not None else (
+            SMOKE_BLOCK_SHAPES if args.smoke else BLOCK_SHAPES):
         torch.manual_seed(0)
         base = Block(GPTConfig(layers=1, dim=dim, heads=heads, seq=seq)).to(device, torch.bfloat16)
         rows += run_case("block", (batch, seq, dim, heads), lambda: copy.deepcopy(base),

@@ -116,7 +116,9 @@
 #              names each kernel of the profile
 #   zoo        issue 14: the FP8 GPU tests (among them linears in a checkpointed region; TESTS a -k selection),
 #              then Hugging Face architectures we did not write (hf_zoo.py, size small; MODELS picks them, STEPS,
-#              LR, LIMIT the seconds); PART=tests or PART=zoo runs one of the two
+#              LR, ROWS, LIMIT the seconds); PART=tests or PART=zoo runs one of the two
+#   fp8sizes   issue 14: where an FP8 linear pays: forward + backward of one linear, bf16 against FP8 (current
+#              scaling, fast accumulation), plain and CUDA-graphed, at the sizes of hidden 1024-2048 models (SHAPES)
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -521,8 +523,14 @@ case $stage in
     fi
     if [ "${PART:-all}" != tests ]; then
       logged "${NAME:-hf_zoo_small_h200}" "${LIMIT:-330}" hf_zoo.py --device cuda --size small \
-        --models "${MODELS:-qwen3,gemma3,phi3,falcon,mixtral}" --steps "${STEPS:-12}" --lr "${LR:-1e-3}"
+        --models "${MODELS:-qwen3,gemma3,phi3,falcon,mixtral}" --steps "${STEPS:-12}" --lr "${LR:-1e-3}" \
+        --rows "${ROWS:-stock,flashoptim,flashoptim_fp8}"
     fi
+    ;;
+  fp8sizes)
+    logged "${NAME:-fp8_linear_sizes_h200}" "${LIMIT:-300}" fp8_linear.py --blocks none \
+      --shapes "${SHAPES:-4096x1024x1024,4096x1024x2816,4096x2816x1024,4096x2048x2048,4096x2048x5632,4096x5632x2048,8192x1024x2816,8192x2048x5632,16384x1024x2816,16384x2048x2048}" \
+      --peers bf16,flashoptim_fast_accum,bf16_cudagraphs,flashoptim_fast_accum_cudagraphs
     ;;
   multigpu)
     # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else

@@ -9,14 +9,15 @@ the stock step, and what the backend made of each.
 Rows: ``stock`` (fp32 parameters, torch's AdamW, fused on CUDA, with bf16 autocast and
 ``torch.compile(model)`` there; eager on the CPU), ``flashoptim`` (``train_step``: 24-bit masters,
 8-bit states) and ``flashoptim_fp8`` (the same with ``fp8="tensorwise"``; every eligible linear at
-``--size tiny``). Every row trains on one fixed batch of random tokens (the loss falls as the model
-memorizes it), dropout off, so the rows' losses are comparable step by step.
+``--size tiny``); ``flashoptim+cudagraphs`` and ``flashoptim_fp8+cudagraphs`` (run when named) add
+``cudagraphs=True``. Every row trains on one fixed batch of random tokens (the loss falls as the
+model memorizes it), dropout off, so the rows' losses are comparable step by step.
 
 Per architecture and row: whether it trains (else the error), the first and last losses, the FP8
 decisions (how many matmuls on parameters run in FP8, the reasons of the others), the graph breaks
 other than the train step's own two (``loss.backward()`` and the prepared ``optimizer.step()``), the
 ``PassFailed`` warnings, bytes per parameter (``memory_report``), and on CUDA the median step time
-and the peak memory after the first step.
+and the peak memory allocated and reserved after the first step.
 """
 
 import argparse
@@ -84,7 +85,8 @@ ARCHITECTURES = {
         vocab_size=d["vocab"], d_model=d["hidden"], d_ff=d["inter"], num_layers=d["layers"], num_heads=d["heads"],
         d_kv=d["hidden"] // d["heads"], decoder_start_token_id=0, pad_token_id=0)),
 }
-ROWS = ("stock", "flashoptim", "flashoptim_fp8")
+ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs")
+DEFAULT_ROWS = ROWS[:3]
 # A train step's own graph breaks: at loss.backward(), and where the prepared optimizer's step runs.
 OWN_BREAKS = ("Tensor.backward()", "torch.compiler.disable()")
 
@@ -120,9 +122,12 @@ def make_step(row, model, args):
         if cuda and args.compiler == "inductor":
             model.compile()
         return step, opt
-    options = dict(fp8="tensorwise") if row == "flashoptim_fp8" else {}
-    if row == "flashoptim_fp8" and args.size == "tiny":
+    base, _, graphs = row.partition("+")
+    options = dict(fp8="tensorwise") if base == "flashoptim_fp8" else {}
+    if base == "flashoptim_fp8" and args.size == "tiny":
         options["fp8_min_weight_numel"] = 0
+    if graphs:
+        options["cudagraphs"] = True
     if args.compiler == "eager":
         options["compiler"] = "eager"
     return flash_inductor.train_step(step, model=model, optimizer=opt, **options), opt
@@ -146,7 +151,8 @@ def run_row(name, row, args):
             for i in range(args.steps):
                 if cuda:
                     torch.cuda.synchronize()
-                    if i == 1:
+                    if i == 1:  # what the first step cached and left free goes back: reserved = what the steps hold
+                        torch.cuda.empty_cache()
                         torch.cuda.reset_peak_memory_stats()
                 start = time.perf_counter()
                 if i == 0:
@@ -166,6 +172,8 @@ def run_row(name, row, args):
                 result["bytes_per_param"] = flash_inductor.memory_report(model, opt).total_per_param
             if cuda:
                 result["steady_peak_bytes"] = torch.cuda.max_memory_allocated()
+                # With cudagraphs the graphs' pool: replays allocate nothing, so only reserved memory shows it.
+                result["steady_reserved_bytes"] = torch.cuda.max_memory_reserved()
         except Exception as error:  # noqa: BLE001 - a row that fails is a finding, reported
             result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             result["traceback"] = traceback.format_exc(limit=-4)
@@ -177,19 +185,20 @@ def run_row(name, row, args):
 
 
 def print_table(results):
-    print(f"\n{'model':10s} {'row':15s} {'status':6s} {'loss first→last':>17s} {'vs stock':>8s} {'fp8':>4s} "
-          f"{'B/param':>7s} {'ms/step':>8s} {'peak MiB':>9s}  notes")
+    print(f"\n{'model':10s} {'row':26s} {'status':6s} {'loss first→last':>17s} {'vs stock':>8s} {'fp8':>4s} "
+          f"{'B/param':>7s} {'ms/step':>8s} {'peak MiB':>9s} {'reserved':>9s}  notes")
     for name, rows in results.items():
         stock = rows.get("stock", {})
         for row, r in rows.items():
             if not r["ok"]:
-                print(f"{name:10s} {row:15s} FAILED {r['error']}")
+                print(f"{name:10s} {row:26s} FAILED {r['error']}")
                 continue
             vs = f"{100 * (r['losses'][-1] / stock['losses'][-1] - 1):+.1f}%" if stock.get("ok") and row != "stock" else ""
-            peak = f"{r['steady_peak_bytes'] / 2**20:9.0f}" if "steady_peak_bytes" in r else f"{'':9s}"
+            peak = " ".join(f"{r[k] / 2**20:9.0f}" if k in r else f"{'':9s}"
+                            for k in ("steady_peak_bytes", "steady_reserved_bytes"))
             notes = [f"{n}x {reason}" for reason, n in r.get("bf16", {}).items()] + r["other_graph_breaks"] + [
                 f"PassFailed: {m}" for m in r["pass_failed"]]
-            print(f"{name:10s} {row:15s} ok     {r['losses'][0]:7.3f}→{r['losses'][-1]:7.3f} {vs:>8s} {r.get('fp8', 0):4d} "
+            print(f"{name:10s} {row:26s} ok     {r['losses'][0]:7.3f}→{r['losses'][-1]:7.3f} {vs:>8s} {r.get('fp8', 0):4d} "
                   f"{r.get('bytes_per_param', 0):7.2f} {r['median_step_ms']:8.1f} {peak}  " + " | ".join(notes))
 
 
@@ -198,7 +207,7 @@ def parse_args(argv):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", choices=sorted(SIZES), default=None, help="default: small on CUDA, tiny on the CPU")
     parser.add_argument("--models", default=",".join(ARCHITECTURES))
-    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"of {', '.join(ROWS)}")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--compiler", choices=("inductor", "eager"), default="inductor")
