@@ -72,6 +72,8 @@ from flash_inductor import fp8_delayed, graph_utils
 from flash_inductor.formats.fp8_weight import Fp8Weight
 from flash_inductor.fp8_linear import fp8_linear, ineligible_reason, padded_shape
 
+from .fp32_losses import CLASSIFICATION_LOSSES
+
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint  # torch.utils.checkpoint's region, as Dynamo captures it
 OUT_IN = "out_in"  # weight stored (out, in), as nn.Linear's: y = x @ w.T
 IN_OUT = "in_out"  # weight stored (in, out), as Hugging Face's Conv1D: y = x @ w
@@ -197,20 +199,17 @@ def _unsupported_matmul(node, ctx, decided, region_operands):
 
 
 # Where a language model's logits end: the linear that produces them is the output layer.
-_LOSSES = {torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss, torch.nn.functional.log_softmax,
-           torch.log_softmax, torch._C._nn.cross_entropy_loss}
-
-
 # Elementwise ops with no other tensor operand that logits pass through (Gemma 2's soft-capping:
 # tanh(logits / cap) * cap).
 _SCALED = {"truediv", "div", "mul", "tanh"}
 
 
 def feeds_loss(node):
-    """Whether ``node``'s value reaches a loss (``_LOSSES``) through views, slices, casts and
-    scalings only."""
+    """Whether ``node``'s value reaches a loss over classes (``CLASSIFICATION_LOSSES``) through views,
+    slices, casts and scalings only."""
     for user in node.users:
-        if user.op == "call_function" and user.target in _LOSSES or user.op == "call_method" and user.target == "log_softmax":
+        if user.op == "call_function" and user.target in CLASSIFICATION_LOSSES or (
+                user.op == "call_method" and user.target == "log_softmax"):
             return True
         passes_on = _keeps_values(user) or (
             _op_name(user) in _SCALED and sum(isinstance(a, fx.Node) for a in user.args) == 1)
