@@ -30,7 +30,7 @@ import flash_inductor
 from flash_inductor.collective_bytes import CollectiveBytes
 
 EAGER = {"compiler": "eager"}
-FP8 = {"fp8": "tensorwise", "fp8_min_weight_numel": 0}
+FP8 = {"fp8": "tensorwise", "fp8_min_weight_numel": 0, "fp8_min_gemm_size": 0}
 CONFIGS = {  # name -> backend options of the train step (the compiler is added)
     "bf16": {},
     "fp8_linears": FP8,

@@ -53,7 +53,7 @@ def flashoptim(**options):
     """The module through backend="flashoptim" with these FP8 options (every linear eligible)."""
     import flash_inductor
 
-    return lambda module: flash_inductor.compile(module, fp8_min_weight_numel=0, **options)
+    return lambda module: flash_inductor.compile(module, fp8_min_weight_numel=0, fp8_min_gemm_size=0, **options)
 
 
 def inductor(module):

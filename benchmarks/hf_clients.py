@@ -296,9 +296,9 @@ def build_flashoptim(model, args, gradient_release=False, fp32_activations=False
 
 def fp8_options(args):
     """Our FP8 linears as the flashoptim_fp8 rows take them: tensorwise, ``FP8_EXCLUDE`` and --fp8-exclude
-    left out; a smaller model's weights are all under the backend's fp8_min_weight_numel: there, every
-    eligible one."""
-    every_eligible = {"fp8_min_weight_numel": 0} if args.size != "full" else {}
+    left out; a smaller model's weights and GEMMs are all under the backend's fp8_min_weight_numel and
+    fp8_min_gemm_size: there, every eligible one."""
+    every_eligible = {"fp8_min_weight_numel": 0, "fp8_min_gemm_size": 0} if args.size != "full" else {}
     return dict(fp8="tensorwise", fp8_exclude=FP8_EXCLUDE[args.model] + tuple(args.fp8_exclude or ()), **every_eligible)
 
 

@@ -125,7 +125,7 @@ def make_step(row, model, args):
     base, _, graphs = row.partition("+")
     options = dict(fp8="tensorwise") if base == "flashoptim_fp8" else {}
     if base == "flashoptim_fp8" and args.size == "tiny":
-        options["fp8_min_weight_numel"] = 0
+        options.update(fp8_min_weight_numel=0, fp8_min_gemm_size=0)
     if graphs:
         options["cudagraphs"] = True
     if args.compiler == "eager":

@@ -32,9 +32,10 @@ from flash_inductor.fp8_transpose import transpose_fp8
 _FP8_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def ineligible_reason(weight, module_name, options):
+def ineligible_reason(weight, module_name, options, tokens=None):
     """Why the linear layer of ``weight`` (a tensor or fake tensor; its module's name) stays in bf16
-    under ``options``, or None when it runs in FP8."""
+    under ``options``, or None when it runs in FP8; ``tokens``: the rows it multiplies, where known
+    (its GEMM's size is then checked too)."""
     if weight.dim() != 2:
         return "weight is not a 2-D tensor"
     if weight.dtype not in _FP8_WEIGHT_DTYPES:
@@ -44,6 +45,10 @@ def ineligible_reason(weight, module_name, options):
         return f"weight {n}x{k}: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)"
     if n * k < options.fp8_min_weight_numel:
         return f"weight {n}x{k} is under fp8_min_weight_numel={options.fp8_min_weight_numel}"
+    least = options.min_gemm_size(weight.device)
+    if tokens is not None and tokens * k * n < least:
+        return (f"GEMM {tokens}x{k}x{n} (tokens x in x out) is under fp8_min_gemm_size={least}: "
+                "its casts would cost more than FP8 saves")
     return refused_by_user(module_name, options)
 
 

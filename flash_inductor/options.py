@@ -8,10 +8,16 @@ import types
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from flash_inductor import passes
 from flash_inductor.formats.fp8 import HISTORY_LENGTH
+
+# Where an FP8 linear starts to pay on the H200 (torch 2.11): forward + backward of one linear,
+# GPU kernel time, bf16 against FP8 (current scaling, fast accumulation), docs/benchmarks.md
+# "Where an FP8 linear pays": 0.96-0.98x bf16's at 1.7e10 and 2.4e10, 1.14-1.22x at 4.7e10.
+FP8_MIN_GEMM_SIZE_CUDA = 1 << 35
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +42,10 @@ class Options:
         (``_scaled_mm(use_fast_accum=True)``, torchao's default for the output GEMM); the gradient
         GEMMs always accumulate in fp32.
     fp8_min_weight_numel: smallest weight (elements) worth an FP8 GEMM.
+    fp8_min_gemm_size: smallest forward GEMM, tokens x in x out, worth FP8 GEMMs: below it the amax
+        passes, casts and transposed copies cost more GPU time than the FP8 GEMMs save. None (the
+        default): ``FP8_MIN_GEMM_SIZE_CUDA`` on CUDA, 0 on the CPU (whose FP8 is an emulation, for
+        tests). Decided on the shape the graph is compiled for (a dynamic token count: its hint).
     fp8_output_layer: also run the output layer in FP8: the linear whose output the graph's loss
         reads (a language model's head; its logits reach ``cross_entropy``, ``nll_loss`` or
         ``log_softmax``), which otherwise stays bf16, as torchtitan and torchao's recipes keep it:
@@ -69,6 +79,7 @@ class Options:
     fp8_power_of_two_scales: bool = False
     fp8_fast_accum: bool = False
     fp8_min_weight_numel: int = 1 << 20
+    fp8_min_gemm_size: int | None = None
     fp8_output_layer: bool = False
     fp8_exclude: tuple[str, ...] = ()
     fp8_filter: Any = None
@@ -112,6 +123,8 @@ class Options:
             fp8_power_of_two_scales=_flag(options, "fp8_power_of_two_scales"),
             fp8_fast_accum=_flag(options, "fp8_fast_accum"),
             fp8_min_weight_numel=_int(options, "fp8_min_weight_numel", "non-negative", 0, cls.fp8_min_weight_numel),
+            fp8_min_gemm_size=None if options.get("fp8_min_gemm_size") is None else _int(
+                options, "fp8_min_gemm_size", "non-negative", 0, FP8_MIN_GEMM_SIZE_CUDA),
             fp8_output_layer=_flag(options, "fp8_output_layer"),
             fp8_exclude=_strings(options, "fp8_exclude", "str (fnmatch patterns of module names)", ["layers.0.*", "lm_head"]),
             fp8_filter=_callable(options, "fp8_filter", "a callable taking a module name"),
@@ -121,6 +134,12 @@ class Options:
             loss_chunk_rows=_int(options, "loss_chunk_rows", "non-negative", 0, cls.loss_chunk_rows),
             step_kernel=_choice(options, "step_kernel", ("triton", "inductor"), cls.step_kernel),
         )
+
+    def min_gemm_size(self, device):
+        """``fp8_min_gemm_size`` for weights on ``device``."""
+        if self.fp8_min_gemm_size is not None:
+            return self.fp8_min_gemm_size
+        return FP8_MIN_GEMM_SIZE_CUDA if torch.device(device).type == "cuda" else 0
 
     def enabled(self, pass_name):
         return pass_name not in self.disable

@@ -31,7 +31,8 @@ become inputs of the graph, bound once per weight::
 A linear is eligible when its weight is a graph input (a parameter), both weight dims are
 multiples of 16 (``_scaled_mm``'s requirement) or zero padding to them adds at most 1% (an lm_head
 of 50257 rows; ``fp8_linear.padded_shape``), the weight has at least ``fp8_min_weight_numel``
-elements (smaller GEMMs do not pay for the casts), and its module name passes ``fp8_exclude``
+elements and its forward GEMM (tokens x in x out, the input's shape as compiled) at least
+``fp8_min_gemm_size`` on CUDA (smaller GEMMs do not pay for the casts), and its module name passes ``fp8_exclude``
 (fnmatch patterns, e.g. the first and last layers) and ``fp8_filter`` (a callable on the module
 name, like torchao's ``module_filter_fn``); with ``fp8="delayed"`` it must also have delayed-scaling
 state (else it stays bf16, with a warning that says how to add it). The output layer stays bf16
@@ -226,7 +227,7 @@ def is_tied_embedding(weight):
 
 def _decide(weight, layout, name, ctx, node):
     """``None`` when the linear ``node`` of ``weight`` is eligible, else why not."""
-    reason = _decide_weight(weight, layout, name, ctx)
+    reason = _decide_weight(weight, layout, name, ctx, _tokens(as_linear(node)[0]))
     if reason is None and not ctx.options.fp8_output_layer:
         if feeds_loss(node):
             return "the output layer: the loss reads its output (fp8_output_layer=True puts it in FP8)"
@@ -235,13 +236,23 @@ def _decide(weight, layout, name, ctx, node):
     return reason
 
 
-def _decide_weight(weight, layout, name, ctx):
+def _decide_weight(weight, layout, name, ctx, tokens):
     if layout == IN_OUT and not isinstance(ctx.inputs.get(weight.name), torch.nn.Parameter):
         return "right operand is not a parameter"  # x @ y of two inputs: not a layer's matmul
     value = _used_as(weight, layout)
     if value is None:
         return "weight is not a 2-D tensor"
-    return ineligible_reason(value, name.rpartition(".")[0], ctx.options)
+    return ineligible_reason(value, name.rpartition(".")[0], ctx.options, tokens)
+
+
+def _tokens(x):
+    """The rows a linear multiplies (its input's elements over the last dim), or None unknown; a
+    dynamic count at its hint, the size the graph is first compiled for."""
+    value = x.meta.get("example_value") if isinstance(x, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    rows = value.numel() // value.shape[-1] if value.shape[-1] else 0
+    return rows.node.hint if isinstance(rows, torch.SymInt) else rows
 
 
 def _used_as(weight, layout):

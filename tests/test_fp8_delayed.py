@@ -23,7 +23,7 @@ from helpers import EAGER, decisions_of
 pytestmark = pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
 
 L = 4
-OPTIONS = {"fp8": "delayed", "fp8_min_weight_numel": 0, "fp8_history_length": L}
+OPTIONS = {"fp8": "delayed", "fp8_min_weight_numel": 0, "fp8_min_gemm_size": 0, "fp8_history_length": L}
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 INF = float("inf")
 # Step k: input times X_MULT[k] (inf: one element is inf), grad-output times G_MULT[k]; the weight

@@ -86,6 +86,48 @@ def test_size_threshold_keeps_small_layers_in_bf16():
     assert decision == f"bf16: weight 64x64 is under fp8_min_weight_numel={1 << 20}"
 
 
+def test_gemms_under_fp8_min_gemm_size_stay_bf16_and_say_their_size():
+    """The rows a linear multiplies count: the same 64x64 weight in FP8 at 32 rows (131072 =
+    32 x 64 x 64) and bf16 at 16, with the GEMM's size in the reason."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"wide": nn.Linear(64, 64, bias=False), "narrow": nn.Linear(64, 64, bias=False)})
+
+    def step(x):
+        return model["wide"](x).sum() + model["narrow"](x[:16]).sum()
+
+    options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0, fp8_min_gemm_size=32 * 64 * 64)
+    decisions = decisions_of(flash_inductor.inspect(flash_inductor.compile(step, **options), torch.randn(32, 64)))
+    assert decisions == {
+        "wide.weight": "fp8 e4m3/e5m2",
+        "narrow.weight": "bf16: GEMM 16x64x64 (tokens x in x out) is under fp8_min_gemm_size=131072: "
+                         "its casts would cost more than FP8 saves",
+    }
+
+
+def test_a_dynamic_token_count_is_decided_at_its_hint():
+    """Compiled for a dynamic batch (``mark_dynamic``), the rows are a symbol: the decision takes the
+    size it is first compiled for."""
+    layer = nn.Linear(64, 64, bias=False)
+    options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0, fp8_min_gemm_size=32 * 64 * 64)
+    for rows, expected in ((32, "fp8"), (16, "bf16: GEMM 16x64x64")):
+        torch._dynamo.reset()
+        x = torch.randn(rows, 64)
+        torch._dynamo.mark_dynamic(x, 0)
+        report = flash_inductor.inspect(flash_inductor.compile(layer, **options), x)
+        assert "Sym(" in report.graph("model").stages[0].code, "the rows are not symbolic"
+        assert decisions_of(report)["weight"].startswith(expected)
+
+
+def test_fp8_min_gemm_size_defaults_to_the_h200_measurement_on_cuda_only():
+    """FP8 on the CPU is an emulation (for tests): no size pays there, so no GEMM is too small; on
+    CUDA the default is where an FP8 linear started to pay on the H200 (docs/benchmarks.md)."""
+    from flash_inductor.options import FP8_MIN_GEMM_SIZE_CUDA, Options
+
+    default, chosen = Options.from_dict({}), Options.from_dict({"fp8_min_gemm_size": 7})
+    assert (default.min_gemm_size("cuda"), default.min_gemm_size("cpu")) == (FP8_MIN_GEMM_SIZE_CUDA, 0)
+    assert FP8_MIN_GEMM_SIZE_CUDA == 1 << 35 and (chosen.min_gemm_size("cuda"), chosen.min_gemm_size("cpu")) == (7, 7)
+
+
 @pytest.mark.parametrize("fast_accum", [False, True])
 def test_fast_accum_option_reaches_the_forward_gemm_only(fast_accum, monkeypatch):
     """Option ``fp8_fast_accum``: the forward GEMM runs with ``use_fast_accum=True`` (torchao's
@@ -369,6 +411,33 @@ def test_linears_in_an_activation_checkpointed_region_run_in_fp8():
     decisions = {subject: decision for _, subject, decision in graph.decisions}
     assert decisions["blocks.0.0.weight"].startswith("bf16: in an activation-checkpointed region, where only fp8='tensorwise'")
     assert decisions["blocks.1.0.weight"] == "fp8 e4m3/e5m2, delayed scaling"
+
+
+def test_a_checkpointed_region_recomputes_its_fp8_linears_in_the_backward():
+    """The region's FP8 linears run again in the backward (what saves their activations' memory): on
+    Inductor's CPU code, where the FP8 GEMMs are fp32 ``mm`` calls, 3 in the forward and 5 gradient
+    GEMMs without the checkpoint (the input needs no gradient); with it, the block's 2 forward
+    GEMMs again (tests/test_gpu.py counts ``_scaled_mm`` the same way on CUDA)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(64, 128, bias=False), nn.GELU(), nn.Linear(128, 64, bias=False))
+    model = nn.ModuleList([block, nn.Linear(64, 64, bias=False)]).bfloat16()
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    gemms = {}
+    for checkpointed in (False, True):
+        torch._dynamo.reset()
+
+        def loss(t, checkpointed=checkpointed):
+            y = torch.utils.checkpoint.checkpoint(model[0], t, use_reentrant=False) if checkpointed else model[0](t)
+            return model[1](t + y).float().square().mean()
+
+        compiled = flash_inductor.compile(loss, fp8="tensorwise", fp8_min_weight_numel=0)
+        _, codes = run_and_get_code(lambda: compiled(x).backward())
+        gemms[checkpointed] = [len(re.findall(r"extern_kernels\.mm\(", code)) for code in codes]
+    assert gemms == {False: [3, 5], True: [3, 7]}, gemms
 
 
 class OtherParameterMatmuls(nn.Module):

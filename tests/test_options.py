@@ -161,6 +161,8 @@ def test_mode_reduce_overhead_is_the_cudagraphs_option(monkeypatch):
     ("fp8_min_weight_numel", True, "non-negative int"),
     ("fp8_min_weight_numel", -1, "non-negative int"),
     ("fp8_min_weight_numel", "x", "non-negative int"),
+    ("fp8_min_gemm_size", -1, "non-negative int"),
+    ("fp8_min_gemm_size", 2.5, "non-negative int"),
     ("fp8_history_length", 0, "positive int"),
     ("fp8_exclude", 3, "str or an iterable of str"),
     ("fp8_exclude", ["lm_head", 3], "str or an iterable of str"),
