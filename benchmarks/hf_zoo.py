@@ -9,19 +9,22 @@ the stock step, and what the backend made of each.
 Rows: ``stock`` (fp32 parameters, torch's AdamW, fused on CUDA, with bf16 autocast and
 ``torch.compile(model)`` there; eager on the CPU), ``flashoptim`` (``train_step``: 24-bit masters,
 8-bit states) and ``flashoptim_fp8`` (the same with ``fp8="tensorwise"``; every eligible linear at
-``--size tiny``); ``flashoptim+cudagraphs`` and ``flashoptim_fp8+cudagraphs`` (run when named) add
-``cudagraphs=True``. Every row trains on one fixed batch of random tokens (the loss falls as the
-model memorizes it), dropout off, so the rows' losses are comparable step by step.
+``--size tiny``). Run when named: ``flashoptim_fp8+every`` (every eligible linear, whatever its size),
+``flashoptim+cudagraphs`` and ``flashoptim_fp8+cudagraphs`` (``cudagraphs=True``). Every row trains on
+one fixed batch of random tokens (the loss falls as the model memorizes it), dropout off, so the
+rows' losses are comparable step by step.
 
 Per architecture and row: whether it trains (else the error), the first and last losses, the FP8
 decisions (how many matmuls on parameters run in FP8, the reasons of the others), the graph breaks
 other than the train step's own two (``loss.backward()`` and the prepared ``optimizer.step()``), the
 ``PassFailed`` warnings, bytes per parameter (``memory_report``), and on CUDA the median step time
-and the peak memory allocated and reserved after the first step.
+and the peak memory allocated (above what the process held before the row) and reserved after the
+first step.
 """
 
 import argparse
 import collections
+import gc
 import json
 import pathlib
 import platform
@@ -85,7 +88,7 @@ ARCHITECTURES = {
         vocab_size=d["vocab"], d_model=d["hidden"], d_ff=d["inter"], num_layers=d["layers"], num_heads=d["heads"],
         d_kv=d["hidden"] // d["heads"], decoder_start_token_id=0, pad_token_id=0)),
 }
-ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs")
+ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs")
 DEFAULT_ROWS = ROWS[:3]
 # A train step's own graph breaks: at loss.backward(), and where the prepared optimizer's step runs.
 OWN_BREAKS = ("Tensor.backward()", "torch.compiler.disable()")
@@ -122,11 +125,11 @@ def make_step(row, model, args):
         if cuda and args.compiler == "inductor":
             model.compile()
         return step, opt
-    base, _, graphs = row.partition("+")
+    base, *flags = row.split("+")
     options = dict(fp8="tensorwise") if base == "flashoptim_fp8" else {}
-    if base == "flashoptim_fp8" and args.size == "tiny":
+    if "every" in flags or base == "flashoptim_fp8" and args.size == "tiny":
         options.update(fp8_min_weight_numel=0, fp8_min_gemm_size=0)
-    if graphs:
+    if "cudagraphs" in flags:
         options["cudagraphs"] = True
     if args.compiler == "eager":
         options["compiler"] = "eager"
@@ -141,6 +144,10 @@ def run_row(name, row, args):
         warnings.simplefilter("always", PassFailed)
         try:
             torch._dynamo.reset()
+            gc.collect()  # the earlier rows' models, held by reference cycles until a collection
+            if cuda:
+                torch.cuda.empty_cache()
+                before = torch.cuda.memory_allocated()
             model = build_model(name, args.size, device)
             result["num_params"] = sum(p.numel() for p in model.parameters())
             step, opt = make_step(row, model, args)
@@ -171,7 +178,7 @@ def run_row(name, row, args):
             if row != "stock":
                 result["bytes_per_param"] = flash_inductor.memory_report(model, opt).total_per_param
             if cuda:
-                result["steady_peak_bytes"] = torch.cuda.max_memory_allocated()
+                result["steady_peak_bytes"] = torch.cuda.max_memory_allocated() - before
                 # With cudagraphs the graphs' pool: replays allocate nothing, so only reserved memory shows it.
                 result["steady_reserved_bytes"] = torch.cuda.max_memory_reserved()
         except Exception as error:  # noqa: BLE001 - a row that fails is a finding, reported
