@@ -104,6 +104,18 @@ def test_gemms_under_fp8_min_gemm_size_stay_bf16_and_say_their_size():
     }
 
 
+@pytest.mark.parametrize("least, expected", [(32 * 64 * 128, "fp8"), (32 * 64 * 128 + 1, "bf16: GEMM 32x64x128")])
+def test_gemm_size_decides_inside_a_checkpointed_region_too(least, expected):
+    block = nn.Sequential(nn.Linear(64, 128, bias=False), nn.GELU())
+
+    def loss(x):
+        return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum()
+
+    options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0, fp8_min_gemm_size=least)
+    decisions = decisions_of(flash_inductor.inspect(flash_inductor.compile(loss, **options), torch.randn(32, 64)))
+    assert decisions["0.weight"].startswith(expected), decisions
+
+
 def test_a_dynamic_token_count_is_decided_at_its_hint():
     """Compiled for a dynamic batch (``mark_dynamic``), the rows are a symbol: the decision takes the
     size it is first compiled for."""
