@@ -40,10 +40,15 @@ FP32_LOSSES = CLASSIFICATION_LOSSES | {F.binary_cross_entropy_with_logits, F.kl_
 _HALF = (torch.bfloat16, torch.float16)
 
 
+def is_classification_loss(node):
+    """A call of a loss of ``CLASSIFICATION_LOSSES``, or ``x.log_softmax(...)``."""
+    return (node.op == "call_function" and node.target in CLASSIFICATION_LOSSES
+            or node.op == "call_method" and node.target == "log_softmax")
+
+
 def is_loss(node):
     """A call of a loss of ``FP32_LOSSES``, or ``x.log_softmax(...)``."""
-    return (node.op == "call_function" and node.target in FP32_LOSSES
-            or node.op == "call_method" and node.target == "log_softmax")
+    return is_classification_loss(node) or node.op == "call_function" and node.target in FP32_LOSSES
 
 
 def _half_arguments(node):

@@ -73,7 +73,7 @@ from flash_inductor import fp8_delayed, graph_utils
 from flash_inductor.formats.fp8_weight import Fp8Weight
 from flash_inductor.fp8_linear import fp8_linear, ineligible_reason, padded_shape
 
-from .fp32_losses import CLASSIFICATION_LOSSES
+from .fp32_losses import is_classification_loss
 
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint  # torch.utils.checkpoint's region, as Dynamo captures it
 OUT_IN = "out_in"  # weight stored (out, in), as nn.Linear's: y = x @ w.T
@@ -199,18 +199,16 @@ def _unsupported_matmul(node, ctx, decided, region_operands):
             return
 
 
-# Where a language model's logits end: the linear that produces them is the output layer.
 # Elementwise ops with no other tensor operand that logits pass through (Gemma 2's soft-capping:
 # tanh(logits / cap) * cap).
 _SCALED = {"truediv", "div", "mul", "tanh"}
 
 
 def feeds_loss(node):
-    """Whether ``node``'s value reaches a loss over classes (``CLASSIFICATION_LOSSES``) through views,
-    slices, casts and scalings only."""
+    """Whether ``node``'s value reaches a loss over classes (``is_classification_loss``) through views,
+    slices, casts and scalings only: where a language model's logits end, so ``node`` is the output layer."""
     for user in node.users:
-        if user.op == "call_function" and user.target in CLASSIFICATION_LOSSES or (
-                user.op == "call_method" and user.target == "log_softmax"):
+        if is_classification_loss(user):
             return True
         passes_on = _keeps_values(user) or (
             _op_name(user) in _SCALED and sum(isinstance(a, fx.Node) for a in user.args) == 1)
@@ -225,9 +223,9 @@ def is_tied_embedding(weight):
                for u in weight.users)
 
 
-def _decide(weight, layout, name, ctx, node):
-    """``None`` when the linear ``node`` of ``weight`` is eligible, else why not."""
-    reason = _decide_weight(weight, layout, name, ctx, _tokens(as_linear(node)[0]))
+def _decide(weight, layout, name, ctx, node, x):
+    """``None`` when the linear ``node`` of ``weight`` and input ``x`` is eligible, else why not."""
+    reason = _decide_weight(weight, layout, name, ctx, _tokens(x))
     if reason is None and not ctx.options.fp8_output_layer:
         if feeds_loss(node):
             return "the output layer: the loss reads its output (fp8_output_layer=True puts it in FP8)"
@@ -328,7 +326,7 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
         decided.add(node)
         layout = linear[3]
         name = graph_utils.input_name(weight)
-        reason = _decide(weight, layout, name, ctx, node)
+        reason = _decide(weight, layout, name, ctx, node, linear[0])
         if reason is None and body is not None and (ctx.options.fp8 == "delayed" or ctx.options.fp8_all_gather):
             # Their per-layer state would have to enter the region as operands of its own.
             reason = ("in an activation-checkpointed region, where only fp8='tensorwise' without "
