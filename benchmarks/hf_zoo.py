@@ -18,8 +18,8 @@ Per architecture and row: whether it trains (else the error), the first and last
 decisions (how many matmuls on parameters run in FP8, the reasons of the others), the graph breaks
 other than the train step's own two (``loss.backward()`` and the prepared ``optimizer.step()``), the
 ``PassFailed`` warnings, bytes per parameter (``memory_report``), and on CUDA the median step time
-and the peak memory allocated (above what the process held before the row) and reserved after the
-first step.
+and the peak memory allocated and reserved after the first step (above what the process held before
+the row).
 """
 
 import argparse
@@ -147,7 +147,7 @@ def run_row(name, row, args):
             gc.collect()  # the earlier rows' models, held by reference cycles until a collection
             if cuda:
                 torch.cuda.empty_cache()
-                before = torch.cuda.memory_allocated()
+                allocated_before, reserved_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
             model = build_model(name, args.size, device)
             result["num_params"] = sum(p.numel() for p in model.parameters())
             step, opt = make_step(row, model, args)
@@ -178,9 +178,9 @@ def run_row(name, row, args):
             if row != "stock":
                 result["bytes_per_param"] = flash_inductor.memory_report(model, opt).total_per_param
             if cuda:
-                result["steady_peak_bytes"] = torch.cuda.max_memory_allocated() - before
+                result["steady_peak_bytes"] = torch.cuda.max_memory_allocated() - allocated_before
                 # With cudagraphs the graphs' pool: replays allocate nothing, so only reserved memory shows it.
-                result["steady_reserved_bytes"] = torch.cuda.max_memory_reserved()
+                result["steady_reserved_bytes"] = torch.cuda.max_memory_reserved() - reserved_before
         except Exception as error:  # noqa: BLE001 - a row that fails is a finding, reported
             result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             result["traceback"] = traceback.format_exc(limit=-4)
