@@ -9,31 +9,15 @@ sections (source paths and lines) are left out of the comparison. Needs triton (
 """
 
 import argparse
-import importlib.util
 import itertools
-import subprocess
 import sys
-import tempfile
 
-from adam_kernel_sass import compile_sm90
+from adam_kernel_sass import compile_sm90, module_at
 
 from flash_inductor import triton_adam
 
 SHAPES = "block64_warps4,block64_warps4_approx,block16_warps2_vector8_evict_persist2_stages2_approx," \
          "block32_warps2_vector16_evict_persist2_stages3"
-
-
-def module_at(rev):
-    """flash_inductor/triton_adam.py as it was at ``rev``, imported under another name."""
-    source = subprocess.run(["git", "show", f"{rev}:flash_inductor/triton_adam.py"], capture_output=True, text=True,
-                            check=True).stdout
-    path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
-    path.write(source)
-    path.close()
-    spec = importlib.util.spec_from_file_location("flash_inductor.triton_adam_at_rev", path.name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def code(ptx):

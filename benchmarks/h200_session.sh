@@ -119,6 +119,13 @@
 #              LR, ROWS, LIMIT the seconds); PART=tests or PART=zoo runs one of the two
 #   fp8sizes   issue 14: where an FP8 linear pays: forward + backward of one linear, bf16 against FP8 (current
 #              scaling, fast accumulation), plain and CUDA-graphed, at the sizes of hidden 1024-2048 models (SHAPES)
+#   inplace    issue 14: the hand-written step reads each gradient where the backward left it (no flat gradient
+#              buffer under @train_step), by PART: tests (every GPU test of the companded and FP8-LM steps and of
+#              gradient release, then optimizer_step.py on the 1.2B GPT's tensors: the kernel's time with its
+#              gradient addresses), batch1 (the Llama at one sequence, where @train_step peaked at the step: read in
+#              place against copied, +copygrads), speed (the Llama, is_causal, 40 steps, 20 back to back, profiled:
+#              the baseline against FP8 + fast accumulation + cudagraphs, read in place and copied: speed and the
+#              reserved footprint of CUDA graphs)
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -531,6 +538,21 @@ case $stage in
     logged "${NAME:-fp8_linear_sizes_h200}" "${LIMIT:-300}" fp8_linear.py --blocks none \
       --shapes "${SHAPES:-4096x1024x1024,4096x1024x2816,4096x2816x1024,4096x2048x2048,4096x2048x5632,4096x5632x2048,8192x1024x2816,8192x2048x5632,16384x1024x2816,16384x2048x2048}" \
       --peers bf16,flashoptim_fast_accum,bf16_cudagraphs,flashoptim_fast_accum_cudagraphs
+    ;;
+  inplace)
+    case ${PART:-tests} in
+      tests)
+        companded_gpu_tests gpu_tests_inplace_h200
+        tail -4 "$out/gpu_tests_inplace_h200.log"
+        logged optimizer_step_inplace_h200 120 optimizer_step.py --lists gpt_1b --configs flashoptim,flashoptim_fp8lmstates ;;
+      batch1)
+        logged hf_clients_llama_inplace_batch1_h200 240 hf_clients.py --model llama --attention is_causal --batch 1 \
+          --seq 1024 --clip 0 --configs flashoptim,flashoptim+copygrads --steps 8 --warmup 3 --log-every 4 ;;
+      speed)
+        logged hf_clients_llama_inplace_h200 540 hf_clients.py --model llama --attention is_causal \
+          --configs baseline,flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+fastaccum+cudagraphs+copygrads \
+          --steps 40 --log-every 20 --pipelined 20 --profile 2 ;;
+    esac
     ;;
   multigpu)
     # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else

@@ -48,6 +48,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
     +chunkedloss        the lm_head and its cross-entropy 1024 rows at a time (loss_chunk_rows=1024): the fp32
                         logits never exist whole (with +regional, whose loss is eager, the Llama's loss calls
                         flash_inductor.linear_cross_entropy on its last hidden state itself)
+    +copygrads          the step copies every gradient into the flat buffers before its kernel runs, as it did
+                        before the hand-written kernel read them where the backward left them (an A/B of that)
     +emulate_NAME       fp32 states (as +fp32states) rounded after every step through the format NAME of
                         state_candidates.py (e.g. root4_v): a state format's effect on training, measured
                         before its kernels exist
@@ -112,6 +114,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_inductor
+from flash_inductor import triton_adam
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from gpu_profile import step_profile  # noqa: E402
@@ -394,6 +397,7 @@ MODIFIERS = {
     "nocse": dict(disable=("fp8_transpose_cse",)),
     "buckets": dict(bucket_numel=1 << 26),
     "chunkedloss": dict(loss_chunk_rows=1024),
+    "copygrads": dict(copy_gradients=True),
     # fp32 states rounded after every step through a format of state_candidates.py: its effect on training
     **{f"emulate_{name}": dict(state_bits=None, emulate_states=name) for name in STATE_CANDIDATES},
 }
@@ -418,10 +422,19 @@ def parse_configuration(name):
     return CONFIGURATIONS[base], options
 
 
+READS_GRADIENT = triton_adam.reads_gradient
+
+
+def _copy_every_gradient(grad, view):
+    return False
+
+
 def build(name, args, device):
     """The configuration's Setup, its clip norm and its LR schedule, from the same initial weights."""
     builder, options = parse_configuration(name)
     emulated_states = options.pop("emulate_states", None)
+    # rows run one after the other: each sets how the step takes its gradients (+copygrads)
+    triton_adam.reads_gradient = _copy_every_gradient if options.pop("copy_gradients", False) else READS_GRADIENT
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = build_model(args.model, args.config)

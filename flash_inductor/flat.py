@@ -137,6 +137,9 @@ class Bucket:
         layout = record.layout(optimizer.param_groups[group_index])
         self.states = {}
         starts = [self.segments[p].offset // GROUP for p in params]  # each parameter's first row
+        # where each parameter's gradient goes, for a step that reads them where they are (triton_adam)
+        self.segment_starts = torch.tensor(starts, dtype=torch.int64, device=first.device)
+        self.segment_numels = torch.tensor([p.numel() for p in params], dtype=torch.int64, device=first.device)
         for key in layout.quantized:
             self.states[key] = _flat_state(optimizer.state[first][key], self.num_groups, starts)
             for p in params:
@@ -161,6 +164,7 @@ class Bucket:
         # Parameters whose gradient autograd computed (hooks) since the last step, and the zero views
         # given as ``.grad`` ahead of backward that no gradient has reached yet (``_preset_views``).
         self._received, self._last_received, self._expected = set(), set(), set()
+        self._unlanded = []  # collected gradients not in the flat buffer yet (``land_gradients``)
         self._tensor_hyperparameters = {}  # key -> the fp32 tensors the bucket optimizer's group holds
         self._first_hyperparameters = {}  # key -> its value at the first step
         self.bound = _bind_hyperparameter(optimizer, group_index) if flat_step else None
@@ -315,7 +319,7 @@ class Bucket:
         made its view of the flat buffer (copied when it is not). The first gradient of a step that
         autograd created also presets the other parameters' views (``_preset_views``). With FP8
         gradients: added to the parameter's FP8 gradient (``_encode_gradient``). Under
-        ``land_gradients_at_step``: nothing here, the step copies them all in (``_land_all``)."""
+        ``land_gradients_at_step``: nothing here, the step lands them all (``land_gradients``)."""
         if self.fp8_grads is not None:
             self._encode_gradient(index)
             return
@@ -384,10 +388,10 @@ class Bucket:
             self._expected.add(index)
 
     def collect_gradients(self, optimizer, record):
-        """Before the step: every gradient in the flat buffer (or the FP8 gradients), and ``active``
-        set to the groups of the parameters that have one. False when none has: the bucket is not
-        stepped at all. A gradient that is not its view yet is checked first (``checks.check_grad``),
-        so a step it refuses raises before anything is written."""
+        """Before the step: every gradient checked (``checks.check_grad``: a step it refuses raises
+        before anything is written) and, with FP8 gradients, encoded; ``active`` set to the groups of
+        the parameters that have one. False when none has: the bucket is not stepped at all. The
+        gradients that are not their views yet move into the flat buffer at ``land_gradients``."""
         flags = self._fp8_gradient_flags() if self.fp8_grads is not None else self._flat_gradient_flags(record)
         if not any(flags):
             return False
@@ -406,19 +410,22 @@ class Bucket:
                 self.params[index].grad = None
         self._expected.clear()
         self._last_received, self._received = self._received, set()
-        flags, copies = [], []
+        flags, self._unlanded = [], []
         for index, (p, view) in enumerate(zip(self.params, self.grad_views)):
             grad = p.grad
             flags.append(grad is not None)
             if grad is not None and grad is not view:
                 checks.check_grad(record, p)
-                copies.append(index)
-        self._land_all(copies)
+                self._unlanded.append(index)
         return flags
 
-    def _land_all(self, indices):
-        """Copy the gradients of parameters ``indices`` (checked, not their views yet) into their
-        views, in one foreach copy, and make the views their ``.grad``."""
+    def land_gradients(self, read_in_place=None):
+        """Copy the collected gradients that are not their views yet into their views, in one foreach
+        copy, and make the views their ``.grad``: but those ``read_in_place(grad, view)`` accepts, which
+        the step reads where they are (``triton_adam.reads_gradient``) and which stay as they are."""
+        indices, self._unlanded = self._unlanded, []
+        if read_in_place is not None:
+            indices = [i for i in indices if not read_in_place(self.params[i].grad, self.grad_views[i])]
         if not indices:
             return
         self.hold_gradients(filled_by=set(indices))
@@ -661,14 +668,19 @@ def land_gradients_at_step(record):
 
 
 @torch.compiler.disable
-def collect_gradients(record):
-    """The buckets to step now (``Bucket.collect_gradients``); eager, also inside a compiled train
-    step (it reads Python-side state of every parameter)."""
+def collect_gradients(record, gradient_reader=None):
+    """The buckets to step now (``Bucket.collect_gradients``), their hyperparameters synced and their
+    gradients landed (``Bucket.land_gradients``), but those that ``gradient_reader(bucket)``, the
+    bucket's step's test of a gradient it reads in place, accepts (None: it reads the flat buffer).
+    Eager, also inside a compiled train step (it reads Python-side state of every parameter)."""
     optimizer = record.optimizer
     stepping = []
     for bucket in record.buckets:
         if bucket.collect_gradients(optimizer, record):
             bucket.sync_hyperparameters(optimizer)
+            read_in_place = None if gradient_reader is None else gradient_reader(bucket)
+            if bucket.fp8_grads is None:
+                bucket.land_gradients(read_in_place)
             stepping.append(bucket)
     return stepping
 

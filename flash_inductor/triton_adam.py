@@ -10,7 +10,9 @@ The math is the stock capturable Adam(W) update on the decoded fp32 values, with
 of ``formats/split_weights.py`` (the step's plain pair, int8 error terms) and
 ``formats/companded.py`` (signed and sqrt codes, bf16 group scales, one reciprocal per group),
 written once more in Triton; ``tests/test_gpu.py`` holds it to the fp64 reference and to the
-Inductor step. Groups whose parameter has no gradient (``bucket.active``) are not written.
+Inductor step. Groups whose parameter has no gradient (``bucket.active``) are not written. The
+kernels read each parameter's gradient where it is (``_gradient``: a table of ``.grad`` addresses),
+so the flat gradient buffer is written only for gradients they cannot read there (``reads_gradient``).
 FP8-LM's states (``formats/tensor_scaled.py``: one scale per tensor) take two kernels
 (``_step_tensor_scaled``), held to the same reference by tests/test_fp8lm_states.py.
 ``LaunchShape.approx`` computes the same step with cheaper arithmetic (``_adam_block``), inside the
@@ -22,6 +24,7 @@ import dataclasses
 import functools
 import os
 import re
+import weakref
 
 import torch
 
@@ -327,6 +330,18 @@ if _compat.HAS_TRITON:
         return rows, rows < num_groups
 
     @triton.jit
+    def _row_segments(rows, starts, num_segments, SEARCH_STEPS: tl.constexpr):
+        """The segment (tensor) of each row: the last of the increasing ``starts`` (the first 0) at most
+        the row, by a binary search of ``SEARCH_STEPS >= log2(num_segments)`` halvings (few loads, all
+        rows of a block reading the same few starts from the cache)."""
+        segment = tl.zeros_like(rows)
+        for i in tl.static_range(SEARCH_STEPS):
+            probe = segment + (1 << (SEARCH_STEPS - 1 - i))
+            inside = probe < num_segments
+            segment = tl.where(inside & (tl.load(starts + probe, mask=inside, other=0) <= rows), probe, segment)
+        return segment
+
+    @triton.jit
     def _stepped_rows(rows, row_ok, beta_powers, active, num_groups, lr, PER_GROUP: tl.constexpr, EVICT: tl.constexpr):
         """(which rows to step, the step size ``lr / (1 - beta1 ** step)``, ``1 / sqrt(1 - beta2 ** step)``):
         torch's eager bias corrections (fp32) folded into per-row or per-bucket factors, so that each element
@@ -359,8 +374,23 @@ if _compat.HAS_TRITON:
         return x
 
     @triton.jit
-    def _gradient(grads, at, mask, MAXIMIZE: tl.constexpr, EVICT: tl.constexpr):
-        g = _load(grads + at, mask, 0.0, EVICT).to(tl.float32)
+    def _gradient(weights, grad_addresses, starts, numels, segment, rows, mask, MAXIMIZE: tl.constexpr,
+                  EVICT: tl.constexpr, VECTOR: tl.constexpr):
+        """The gradient of rows ``rows`` (of segments ``segment``), read where each parameter's gradient
+        is: ``grad_addresses[s]`` is the address of segment s's gradient (``reads_gradient``: contiguous,
+        16-byte aligned, the weights' dtype; 0 for none), ``starts[s]`` its first row and ``numels[s]``
+        its elements. The segment's padding and a parameter without gradient read 0, as the zeros of the
+        flat buffer did."""
+        base = tl.load(grad_addresses + segment)
+        local = _element_offsets(rows - tl.load(starts + segment), VECTOR)
+        # aligned, so that the loads take 16 bytes at a time as from the flat buffer
+        pointers = tl.multiple_of(base.to(tl.pointer_type(weights.dtype.element_ty)), 16)[:, None, None] + local
+        # masked in runs of 16 bytes, not per element, which would split every load into 2-byte ones: a
+        # gradient read in place is a whole number of runs long, and a view's last run reads its zero padding
+        run = 128 // weights.dtype.element_ty.primitive_bitwidth
+        runs = (tl.load(numels + segment)[:, None, None] + run - 1) // run
+        inside = mask & (local // run < runs) & (base != 0)[:, None, None]
+        g = _load(pointers, inside, 0.0, EVICT).to(tl.float32)
         if MAXIMIZE:
             g = -g
         return g
@@ -395,11 +425,11 @@ if _compat.HAS_TRITON:
 
     @triton.jit
     def _adam_block(
-        block, weights, errors, grads, m_codes, m_scales, v_codes, v_scales, beta_powers, active,
-        num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+        block, weights, errors, grad_addresses, starts, numels, num_segments, m_codes, m_scales, v_codes, v_scales,
+        beta_powers, active, num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
         DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_ERRORS: tl.constexpr, PER_GROUP: tl.constexpr,
         MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr, CODE_SCALE: tl.constexpr,
-        BLOCK: tl.constexpr, VECTOR: tl.constexpr, EVICT: tl.constexpr, APPROX: tl.constexpr,
+        BLOCK: tl.constexpr, VECTOR: tl.constexpr, EVICT: tl.constexpr, APPROX: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     ):
         """The step of the ``BLOCK`` groups of block ``block``, companded states.
 
@@ -423,7 +453,8 @@ if _compat.HAS_TRITON:
         mask = ok[:, None, None]
 
         x = _master(weights, errors, at, mask, HAS_ERRORS, MANTISSA, BIAS, GUARD, EVICT, APPROX)
-        g = _gradient(grads, at, mask, MAXIMIZE, EVICT)
+        segment = _row_segments(rows, starts, num_segments, SEARCH_STEPS)
+        g = _gradient(weights, grad_addresses, starts, numels, segment, rows, mask, MAXIMIZE, EVICT, VECTOR)
         m = _decoded_first_moment(_load(m_codes + at, mask, 0, EVICT),
                                   _load(m_scales + rows, ok, 0.0, EVICT).to(tl.float32)[:, None, None], APPROX)
         s = _decoded_root(_load(v_codes + at, mask, 0, EVICT),
@@ -442,41 +473,29 @@ if _compat.HAS_TRITON:
 
     @triton.jit
     def _adam_kernel(
-        weights, errors, grads, m_codes, m_scales, v_codes, v_scales, beta_powers, active,
-        num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+        weights, errors, grad_addresses, starts, numels, num_segments, m_codes, m_scales, v_codes, v_scales,
+        beta_powers, active, num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
         DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_ERRORS: tl.constexpr, PER_GROUP: tl.constexpr,
         MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr, CODE_SCALE: tl.constexpr,
         BLOCK: tl.constexpr, VECTOR: tl.constexpr, EVICT: tl.constexpr, PERSISTENT: tl.constexpr, STAGES: tl.constexpr,
-        APPROX: tl.constexpr,
+        APPROX: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     ):
         """The step of block ``program_id``, or (PERSISTENT) of every ``num_programs``-th block from it."""
         if PERSISTENT:
             for block in tl.range(tl.program_id(0), tl.cdiv(num_groups, BLOCK), tl.num_programs(0), num_stages=STAGES):
                 _adam_block(
-                    block, weights, errors, grads, m_codes, m_scales, v_codes, v_scales, beta_powers, active,
-                    num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-                    DECOUPLED, MAXIMIZE, HAS_ERRORS, PER_GROUP, MANTISSA, BIAS, GUARD, CODE_SCALE, BLOCK, VECTOR, EVICT,
-                    APPROX)
+                    block, weights, errors, grad_addresses, starts, numels, num_segments, m_codes, m_scales, v_codes,
+                    v_scales, beta_powers, active, num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps,
+                    weight_decay, DECOUPLED, MAXIMIZE, HAS_ERRORS, PER_GROUP, MANTISSA, BIAS, GUARD, CODE_SCALE, BLOCK,
+                    VECTOR, EVICT, APPROX, SEARCH_STEPS)
         else:
             _adam_block(
-                tl.program_id(0), weights, errors, grads, m_codes, m_scales, v_codes, v_scales, beta_powers, active,
-                num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-                DECOUPLED, MAXIMIZE, HAS_ERRORS, PER_GROUP, MANTISSA, BIAS, GUARD, CODE_SCALE, BLOCK, VECTOR, EVICT,
-                APPROX)
+                tl.program_id(0), weights, errors, grad_addresses, starts, numels, num_segments, m_codes, m_scales,
+                v_codes, v_scales, beta_powers, active, num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps,
+                weight_decay, DECOUPLED, MAXIMIZE, HAS_ERRORS, PER_GROUP, MANTISSA, BIAS, GUARD, CODE_SCALE, BLOCK,
+                VECTOR, EVICT, APPROX, SEARCH_STEPS)
 
     # ----------------------------------------------------------------- FP8-LM's states (tensor-scaled)
-
-    @triton.jit
-    def _row_segments(rows, starts, num_segments, SEARCH_STEPS: tl.constexpr):
-        """The segment (tensor) of each row: the last of the increasing ``starts`` (the first 0) at most
-        the row, by a binary search of ``SEARCH_STEPS >= log2(num_segments)`` halvings (few loads, all
-        rows of a block reading the same few starts from the cache)."""
-        segment = tl.zeros_like(rows)
-        for i in tl.static_range(SEARCH_STEPS):
-            probe = segment + (1 << (SEARCH_STEPS - 1 - i))
-            inside = probe < num_segments
-            segment = tl.where(inside & (tl.load(starts + probe, mask=inside, other=0) <= rows), probe, segment)
-        return segment
 
     @triton.jit
     def _tensor_scaled_moments(x, g, m_codes, m_scales, v_codes, v_scales, segment, at, mask, lr, weight_decay,
@@ -503,7 +522,7 @@ if _compat.HAS_TRITON:
 
     @triton.jit
     def _fp8lm_amax_kernel(
-        weights, errors, grads, m_codes, m_scales, v_codes, v_scales, starts, num_segments, amax,
+        weights, errors, grad_addresses, numels, m_codes, m_scales, v_codes, v_scales, starts, num_segments, amax,
         num_groups, one_minus_beta1, beta2, one_minus_beta2, weight_decay,
         DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_ERRORS: tl.constexpr,
         MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr,
@@ -523,7 +542,7 @@ if _compat.HAS_TRITON:
             x = 0.0
         else:
             x = _master(weights, errors, at, mask, HAS_ERRORS, MANTISSA, BIAS, GUARD, EVICT, APPROX)
-        g = _gradient(grads, at, mask, MAXIMIZE, EVICT)
+        g = _gradient(weights, grad_addresses, starts, numels, segment, rows, mask, MAXIMIZE, EVICT, VECTOR)
         _, m, v = _tensor_scaled_moments(x, g, m_codes, m_scales, v_codes, v_scales, segment, at, mask, 0.0, weight_decay,
                                          one_minus_beta1, beta2, one_minus_beta2, DECOUPLED, EVICT)
         slot = amax + (tl.program_id(0) % SLOTS) * num_segments
@@ -532,7 +551,7 @@ if _compat.HAS_TRITON:
 
     @triton.jit
     def _fp8lm_step_kernel(
-        weights, errors, grads, m_codes, m_scales, v_codes, v_scales, starts, num_segments, new_scales,
+        weights, errors, grad_addresses, numels, m_codes, m_scales, v_codes, v_scales, starts, num_segments, new_scales,
         beta_powers, active, num_groups, lr, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
         DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_ERRORS: tl.constexpr, PER_GROUP: tl.constexpr,
         MANTISSA: tl.constexpr, BIAS: tl.constexpr, GUARD: tl.constexpr, CODE_SCALE: tl.constexpr,
@@ -549,7 +568,7 @@ if _compat.HAS_TRITON:
         mask = ok[:, None, None]
         segment = _row_segments(rows, starts, num_segments, SEARCH_STEPS)
         x = _master(weights, errors, at, mask, HAS_ERRORS, MANTISSA, BIAS, GUARD, EVICT, APPROX)
-        g = _gradient(grads, at, mask, MAXIMIZE, EVICT)
+        g = _gradient(weights, grad_addresses, starts, numels, segment, rows, mask, MAXIMIZE, EVICT, VECTOR)
         x, m, v = _tensor_scaled_moments(x, g, m_codes, m_scales, v_codes, v_scales, segment, at, mask, lr, weight_decay,
                                          one_minus_beta1, beta2, one_minus_beta2, DECOUPLED, EVICT)
         _store_update(x, m, tl.sqrt_rn(v), step_size, inverse_root_correction2, eps, lr, weights, errors, at, mask,
@@ -604,7 +623,8 @@ def step(bucket, optimizer):
     shape = LAUNCH
     constants = kernel_constants(shape, bucket.weights.dtype, bucket.errors is not None, bucket.per_group,
                                  bool(decoupled), bool(group.get("maximize")))
-    tensors = (bucket.weights, bucket.errors if bucket.errors is not None else bucket.weights, bucket.grads)
+    tensors = dict(weights=bucket.weights, errors=bucket.errors if bucket.errors is not None else bucket.weights,
+                   m_codes=m.codes, m_scales=m.scales, v_codes=v.codes, v_scales=v.scales, **_gradients(bucket))
     hyper = (1 - beta1, beta2, 1 - beta2)
     eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
     if isinstance(m, TensorScaledState):
@@ -613,8 +633,38 @@ def step(bucket, optimizer):
     blocks = triton.cdiv(bucket.num_groups, shape.block_groups)
     programs = min(blocks, shape.programs_per_sm * _sm_count(bucket.weights.device)) if shape.programs_per_sm else blocks
     _adam_kernel[(programs,)](
-        *tensors, m.codes, m.scales, v.codes, v.scales, beta_powers, bucket.active,
-        bucket.num_groups, lr, *hyper, eps, weight_decay, **constants, num_warps=shape.num_warps)
+        **tensors, beta_powers=beta_powers, active=bucket.active, num_groups=bucket.num_groups, lr=lr,
+        one_minus_beta1=hyper[0], beta2=hyper[1], one_minus_beta2=hyper[2], eps=eps, weight_decay=weight_decay,
+        **constants, num_warps=shape.num_warps)
+
+
+def reads_gradient(grad, view):
+    """Whether the kernel reads ``grad``, a parameter's gradient whose view of the flat buffer is ``view``,
+    where it is (``_gradient``): dense, contiguous, 16-byte aligned and a whole number of 16 bytes long
+    (its loads take 16 bytes at a time), of the view's dtype, shape and device. ``flat.collect_gradients``
+    copies the others into the flat buffer, where under ``@train_step`` every gradient was copied before
+    (a foreach copy of 4 B/param, and the gradients held twice at the step: docs/architecture.md)."""
+    return (grad.layout == torch.strided and grad.dtype == view.dtype and grad.shape == view.shape
+            and grad.device == view.device and grad.is_contiguous() and grad.data_ptr() % 16 == 0
+            and grad.numel() * grad.element_size() % 16 == 0)
+
+
+_ADDRESSES = weakref.WeakKeyDictionary()  # bucket -> (its gradients' addresses, as a tuple and on its device)
+
+
+def _gradients(bucket):
+    """The kernels' arguments that locate each parameter's gradient (``_gradient``): the address of its
+    ``.grad`` (0 for none), its segment's first row and its length. Unchanged addresses (CUDA graphs'
+    outputs, or the caching allocator's usual reuse) are not copied to the device again."""
+    addresses = tuple(0 if p.grad is None else p.grad.data_ptr() for p in bucket.params)
+    cached = _ADDRESSES.get(bucket)
+    if cached is None or cached[0] != addresses:
+        device = bucket.segment_starts.device
+        host = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda")
+        cached = _ADDRESSES[bucket] = addresses, host.to(device, non_blocking=True)
+    count = len(addresses)
+    return dict(grad_addresses=cached[1], starts=bucket.segment_starts, numels=bucket.segment_numels,
+                num_segments=count, SEARCH_STEPS=max(1, (count - 1).bit_length()))
 
 
 def _step_tensor_scaled(bucket, tensors, m, v, beta_powers, lr, hyper, eps, weight_decay, constants):
@@ -627,22 +677,20 @@ def _step_tensor_scaled(bucket, tensors, m, v, beta_powers, lr, hyper, eps, weig
     where keeping the fp32 moments between the passes would write and read 16. Tensors of parameters
     without a gradient keep their scales, and their rows are not written. Launched one block per
     program (``LaunchShape``'s block, warps, vector, evict and approx; not persistent)."""
-    shape, starts = LAUNCH, m.starts
+    shape, starts = LAUNCH, bucket.segment_starts  # FP8-LM's tensors are the bucket's segments
     blocks = triton.cdiv(bucket.num_groups, shape.block_groups)
-    segments = dict(starts=starts, num_segments=starts.numel(), SEARCH_STEPS=max(1, (starts.numel() - 1).bit_length()))
     slots = torch.zeros(2, AMAX_SLOTS, starts.numel(), dtype=torch.int32, device=starts.device)
     _fp8lm_amax_kernel[(blocks,)](
-        *tensors, m.codes, m.scales, v.codes, v.scales, amax=slots, num_groups=bucket.num_groups,
-        one_minus_beta1=hyper[0], beta2=hyper[1], one_minus_beta2=hyper[2], weight_decay=weight_decay, **segments,
-        **_arguments_of(_fp8lm_amax_kernel, constants), SLOTS=AMAX_SLOTS, num_warps=shape.num_warps)
+        **tensors, amax=slots, num_groups=bucket.num_groups, one_minus_beta1=hyper[0], beta2=hyper[1],
+        one_minus_beta2=hyper[2], weight_decay=weight_decay, **_arguments_of(_fp8lm_amax_kernel, constants),
+        SLOTS=AMAX_SLOTS, num_warps=shape.num_warps)
     amax = slots.amax(1).view(torch.float32)
     new_scales = torch.stack([tensor_scaled.scale_from_amax(amax[i], state.codes.dtype) for i, state in enumerate((m, v))])
     if bucket.per_group:
         new_scales = torch.where(bucket.active.view(-1)[starts], new_scales, torch.stack([m.scales, v.scales]))
     _fp8lm_step_kernel[(blocks,)](
-        *tensors, m.codes, m.scales, v.codes, v.scales, new_scales=new_scales, beta_powers=beta_powers,
-        active=bucket.active, num_groups=bucket.num_groups, lr=lr, one_minus_beta1=hyper[0], beta2=hyper[1],
-        one_minus_beta2=hyper[2], eps=eps, weight_decay=weight_decay, **segments,
+        **tensors, new_scales=new_scales, beta_powers=beta_powers, active=bucket.active, num_groups=bucket.num_groups,
+        lr=lr, one_minus_beta1=hyper[0], beta2=hyper[1], one_minus_beta2=hyper[2], eps=eps, weight_decay=weight_decay,
         **_arguments_of(_fp8lm_step_kernel, constants), M_MAX=tensor_scaled.code_max(m.codes.dtype),
         V_MAX=tensor_scaled.code_max(v.codes.dtype), V_SMALLEST=tensor_scaled.smallest_code(v.codes.dtype),
         num_warps=shape.num_warps)

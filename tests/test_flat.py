@@ -241,6 +241,45 @@ def test_gradients_landed_at_the_step_in_one_copy_give_the_same_bits():
         assert torch.equal(results[0][key], results[1][key]), key
 
 
+def test_a_step_that_reads_gradients_where_they_are_lands_only_those_it_cannot_read():
+    """``collect_gradients`` with a step's reader of gradients (the hand-written kernel's
+    ``triton_adam.reads_gradient``) copies into the flat buffer only the gradients it refuses (not
+    contiguous, not 16-byte aligned, a length that is not whole 16 bytes), with their values; the
+    others stay the tensors they were, and with none refused the buffer gets no storage. Without a
+    reader every gradient is copied."""
+    from flash_inductor import triton_adam
+
+    torch.manual_seed(0)
+    params = nn.ParameterList([nn.Parameter(torch.randn(*shape)) for shape in ((64, 48), (8, 4), (5,), (96,))])
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    flash_inductor.prepare(params, opt, min_quantized_numel=1, compile_options=EAGER)
+    record = prepared(opt)
+    (bucket,) = record.buckets
+
+    def collect(reader, refused=False, without=None):
+        grads = [torch.randn(p.shape).to(p.dtype) for p in params]
+        if refused:
+            grads[1] = grads[1].t().contiguous().t()  # transposed strides
+            grads[3] = torch.cat([grads[3][:1], grads[3]])[1:]  # 2 bytes past an aligned start
+        if without is not None:
+            grads[without] = None
+        for p, g in zip(params, grads):
+            p.grad = g
+        (stepping,) = flat.collect_gradients(record, reader)
+        assert stepping is bucket
+        for p, g, view in zip(params, grads, bucket.grad_views):
+            assert p.grad is g or (p.grad is view and torch.equal(view, g))
+        kept, held = [p.grad is g for p, g in zip(params, grads)], bucket.gradients_held()
+        opt.zero_grad()
+        return kept, held
+
+    reader = lambda bucket: triton_adam.reads_gradient  # noqa: E731
+    assert collect(reader) == ([True, True, False, True], True)  # 5 elements: 10 bytes
+    assert collect(reader, without=2) == ([True] * 4, False)
+    assert collect(reader, refused=True) == ([True, False, False, False], True)
+    assert collect(None) == ([False] * 4, True)
+
+
 def test_replaced_gradients_give_the_same_step_as_gradients_in_place():
     """``p.grad = tensor`` (a new tensor each step, as gradient transforms do) is copied in."""
     results = []

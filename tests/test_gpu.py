@@ -235,6 +235,67 @@ def test_triton_step_edge_cases(launch, monkeypatch):
     check_kernel_edge_cases("cuda")
 
 
+def _prepared_pair(state_format, device):
+    """Two copies of one set of parameters whose sizes leave partial groups (one smaller than a group),
+    prepared alike with 8-bit states of ``state_format``."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        params = nn.ParameterList([nn.Parameter(torch.randn(*shape, device=device) * 0.02)
+                                   for shape in ((64, 48), (7, 8), (96,), (5,), (16,))])
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+        flash_inductor.prepare(params, opt, min_quantized_numel=1, state_format=state_format, compile_options={})
+        runs.append((params, opt))
+    return runs
+
+
+def check_gradients_read_in_place(device, state_format, monkeypatch):
+    """The kernel reads each ``.grad`` where it is (``triton_adam.reads_gradient``): the step meets the
+    fp64 reference (companded states) and stores the bits of the step that copies every gradient into
+    the flat buffer first; that buffer then gets no storage, and ``.grad`` stays the tensor it was. A
+    gradient it cannot read there (transposed, not 16-byte aligned, or of a length that is not a
+    multiple of 16 bytes) is copied in, the others still read in place; a parameter without a
+    gradient keeps its bits. Also run by Triton's interpreter (tests/test_triton_interpreter.py)."""
+    (params, opt), (copied_params, copied_opt) = _prepared_pair(state_format, device)
+    (bucket,), (copied_bucket,) = roles.PREPARED[opt].buckets, roles.PREPARED[copied_opt].buckets
+    reads_gradient = triton_adam.reads_gradient
+    torch.manual_seed(1)
+    for step in range(3):
+        grads = [(torch.randn(p.shape, device=device) * 1e-2).to(p.dtype) for p in params]
+        if step == 1:
+            grads[0] = grads[0].t().contiguous().t()  # the same values, transposed strides
+            grads[1] = None
+            grads[2] = torch.cat([grads[2][:1], grads[2]])[1:]  # 2 bytes past an aligned start
+        else:
+            grads[3] = None  # the parameter of 5 elements (10 bytes) has a gradient in step 1 only
+        given = {}
+        for run, (ps, o) in {"copied": (copied_params, copied_opt), "in place": (params, opt)}.items():
+            monkeypatch.setattr(triton_adam, "reads_gradient", reads_gradient if run == "in place" else lambda g, v: False)
+            for p, g in zip(ps, grads):
+                p.grad = None if g is None else g.clone(memory_format=torch.preserve_format) if run == "copied" else g
+            given[run] = [p.grad for p in ps]
+            expected = expected_steps(ps, o, "adamw")
+            o.step()
+        if state_format == "companded":  # (FP8-LM's reference: the fp8lm tests above, whose gradients are read in place)
+            assert len(expected) == 4
+            compare_with_expected_steps(params, opt, expected, f"step {step}")
+        assert_same_bits(stored_bits(params, opt), stored_bits(copied_params, copied_opt))
+        assert copied_bucket.gradients_held()
+        in_place = [p.grad is g for p, g in zip(params, given["in place"])]
+        if step == 1:  # only the last one read in place
+            assert bucket.gradients_held() and in_place == [False, True, False, False, True]
+        else:
+            assert not bucket.gradients_held() and all(in_place)
+        for o in (opt, copied_opt):
+            o.zero_grad()
+
+
+@pytest.mark.parametrize("state_format", ["companded", "fp8lm"])
+def test_triton_step_reads_gradients_where_they_are(state_format, monkeypatch):
+    """Gradients read where they are, or copied in where they cannot be (``check_gradients_read_in_place``)."""
+    check_gradients_read_in_place("cuda", state_format, monkeypatch)
+
+
 def _kernel_runs(step_kernel, **prepare_kwargs):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 300)).cuda()
@@ -449,6 +510,28 @@ def test_fp8_gradients_step_matches_fp64_reference_on_inductors_kernel(gradient_
     assert reasons and all("FP8 gradients" in r for r in reasons), reasons
 
 
+def _four_train_steps(**options):
+    """(losses, stored bits) of four ``@train_step`` steps of a small model (two linears around an
+    RMSNorm, clipped), compiled afresh with the backend's ``options``."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.RMSNorm(512), nn.Linear(512, 256, bias=False)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+    @flash_inductor.train_step(model=model, optimizer=opt, **options)
+    def step(x):
+        loss = model(x).float().square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    torch.manual_seed(1)
+    losses = [step(torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)).item() for _ in range(4)]
+    return losses, stored_bits(model, opt)
+
+
 @pytest.mark.parametrize("fp8", [None, "tensorwise"])
 def test_cudagraphs_train_step_stores_the_bits_of_the_ordinary_one(fp8):
     """``cudagraphs=True``: the forward and backward replay as CUDA graphs (none skipped), while the
@@ -459,26 +542,26 @@ def test_cudagraphs_train_step_stores_the_bits_of_the_ordinary_one(fp8):
 
     runs = []
     for cudagraphs in (False, True):
-        torch._dynamo.reset()
         counters.clear()
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.RMSNorm(512), nn.Linear(512, 256, bias=False)).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-
-        @flash_inductor.train_step(model=model, optimizer=opt, cudagraphs=cudagraphs, fp8=fp8, **EVERY_LINEAR)
-        def step(x):
-            loss = model(x).float().square().mean()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
-        torch.manual_seed(1)
-        losses = [step(torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)).item() for _ in range(4)]
-        runs.append((losses, stored_bits(model, opt)))
+        runs.append(_four_train_steps(cudagraphs=cudagraphs, fp8=fp8, **EVERY_LINEAR))
         if cudagraphs:
             assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
             assert cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False).roots
+    assert runs[0][0] == runs[1][0]
+    assert_same_bits(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("cudagraphs", [False, True])
+def test_train_step_kernel_reads_the_gradients_the_backward_returned(cudagraphs, monkeypatch):
+    """Under ``@train_step`` (gradients landed at the step) the hand-written step reads each gradient
+    the compiled backward returned where it is (with ``cudagraphs``: in the CUDA graphs' pool): no
+    flat gradient buffer gets storage, and four steps store the bits of copying them in first."""
+    held, kernel_step, reads_gradient = [], triton_adam.step, triton_adam.reads_gradient
+    monkeypatch.setattr(triton_adam, "step", lambda bucket, o: held.append(bucket.gradients_held()) or kernel_step(bucket, o))
+    runs = []
+    for in_place in (True, False):
+        monkeypatch.setattr(triton_adam, "reads_gradient", reads_gradient if in_place else lambda g, v: False)
+        runs.append(_four_train_steps(cudagraphs=cudagraphs))
+    assert len(held) == 8 and held == [False] * 4 + [True] * 4, held
     assert runs[0][0] == runs[1][0]
     assert_same_bits(runs[0][1], runs[1][1])
