@@ -165,6 +165,10 @@ class Bucket:
         # given as ``.grad`` ahead of backward that no gradient has reached yet (``_preset_views``).
         self._received, self._last_received, self._expected = set(), set(), set()
         self._unlanded = []  # collected gradients not in the flat buffer yet (``land_gradients``)
+        # Set where the bucket's step reads gradients where they are (steps.py: the hand-written kernel):
+        # backward's hooks then leave each one as autograd made it. The flat buffer would otherwise get
+        # its storage, whole, at the first gradient, when the backward's activations are all alive.
+        self.reads_gradients_in_place = False
         self._tensor_hyperparameters = {}  # key -> the fp32 tensors the bucket optimizer's group holds
         self._first_hyperparameters = {}  # key -> its value at the first step
         self.bound = _bind_hyperparameter(optimizer, group_index) if flat_step else None
@@ -319,11 +323,13 @@ class Bucket:
         made its view of the flat buffer (copied when it is not). The first gradient of a step that
         autograd created also presets the other parameters' views (``_preset_views``). With FP8
         gradients: added to the parameter's FP8 gradient (``_encode_gradient``). Under
-        ``land_gradients_at_step``: nothing here, the step lands them all (``land_gradients``)."""
+        ``land_gradients_at_step``, or for a step that reads the gradients where they are
+        (``reads_gradients_in_place``): nothing here, the step lands what it has to
+        (``land_gradients``)."""
         if self.fp8_grads is not None:
             self._encode_gradient(index)
             return
-        if self._record().gradients_land_at_step:
+        if self._record().gradients_land_at_step or self.reads_gradients_in_place:
             return
         p, view = self.params[index], self.grad_views[index]
         first = not self._received

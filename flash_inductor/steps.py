@@ -34,6 +34,8 @@ def route_step_through_buckets(optimizer, compile_options):
     compiled = compile_with_backend(flat.step_buckets, **compile_options)
     options = Options.from_dict(compile_options)
     hand_written = options.step_kernel == "triton" and options.compiler == "inductor"
+    for bucket in prepared(optimizer).buckets:  # (a hint for backward's hooks: the step checks again)
+        bucket.reads_gradients_in_place = hand_written and triton_adam.ineligible(bucket, bucket.optimizer) is None
     original_zero_grad = optimizer.zero_grad
 
     @torch.compiler.disable

@@ -290,6 +290,37 @@ def check_gradients_read_in_place(device, state_format, monkeypatch):
             o.zero_grad()
 
 
+def check_backward_leaves_gradients_to_the_kernel(device):
+    """With an eager backward the hooks of a bucket the hand-written kernel steps
+    (``Bucket.reads_gradients_in_place``) leave each gradient as autograd made it: after backward the
+    flat buffer has no storage, also over two micro-batches a step, and three steps store the bits of
+    landing each gradient in the flat buffer as it comes (the hooks' way before). Also run by Triton's
+    interpreter (tests/test_triton_interpreter.py)."""
+    runs = []
+    for hooks_land in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        flash_inductor.prepare(model, opt, min_quantized_numel=1, compile_options={})
+        (bucket,) = roles.PREPARED[opt].buckets
+        assert bucket.reads_gradients_in_place
+        bucket.reads_gradients_in_place = not hooks_land
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for _ in range(2):
+                x = torch.randn(16, 64, generator=generator).to(device, torch.bfloat16)
+                model(x).float().square().mean().backward()
+            assert bucket.gradients_held() == hooks_land
+            opt.step()
+            opt.zero_grad()
+        runs.append(stored_bits(model, opt))
+    assert_same_bits(*runs)
+
+
+def test_backward_leaves_gradients_to_the_kernel():
+    check_backward_leaves_gradients_to_the_kernel("cuda")
+
+
 @pytest.mark.parametrize("state_format", ["companded", "fp8lm"])
 def test_triton_step_reads_gradients_where_they_are(state_format, monkeypatch):
     """Gradients read where they are, or copied in where they cannot be (``check_gradients_read_in_place``)."""

@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from flash_inductor import _compat, roles, triton_adam
-from test_gpu import ADAM_CASES, ARITHMETICS, check_gradients_read_in_place, check_kernel_edge_cases
+from test_gpu import (
+    ADAM_CASES,
+    ARITHMETICS,
+    check_backward_leaves_gradients_to_the_kernel,
+    check_gradients_read_in_place,
+    check_kernel_edge_cases,
+)
 from test_optimizer_numerics import check_one_step_against_fp64_reference
 
 pytestmark = [
@@ -106,3 +112,7 @@ def test_interpreted_fp8lm_kernels_on_small_tensors_match_fp64_reference():
 @pytest.mark.parametrize("state_format", ["companded", "fp8lm"])
 def test_interpreted_kernel_reads_gradients_where_they_are(state_format, monkeypatch):
     check_gradients_read_in_place("cpu", state_format, monkeypatch)
+
+
+def test_interpreted_kernel_takes_the_gradients_an_eager_backward_leaves():
+    check_backward_leaves_gradients_to_the_kernel("cpu")
