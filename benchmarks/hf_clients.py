@@ -422,11 +422,11 @@ def parse_configuration(name):
     return CONFIGURATIONS[base], options
 
 
-READS_GRADIENT = triton_adam.reads_gradient
+UNREADABLE_GRADIENT = triton_adam.unreadable_gradient
 
 
 def _copy_every_gradient(grad, view):
-    return False
+    return "+copygrads"
 
 
 def build(name, args, device):
@@ -434,7 +434,7 @@ def build(name, args, device):
     builder, options = parse_configuration(name)
     emulated_states = options.pop("emulate_states", None)
     # rows run one after the other: each sets how the step takes its gradients (+copygrads)
-    triton_adam.reads_gradient = _copy_every_gradient if options.pop("copy_gradients", False) else READS_GRADIENT
+    triton_adam.unreadable_gradient = _copy_every_gradient if options.pop("copy_gradients", False) else UNREADABLE_GRADIENT
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = build_model(args.model, args.config)

@@ -169,6 +169,7 @@ class Bucket:
         # backward's hooks then leave each one as autograd made it. The flat buffer would otherwise get
         # its storage, whole, at the first gradient, when the backward's activations are all alive.
         self.reads_gradients_in_place = False
+        self.copied_gradients = {}  # parameter index -> why the step could not read it in place (last step)
         self._tensor_hyperparameters = {}  # key -> the fp32 tensors the bucket optimizer's group holds
         self._first_hyperparameters = {}  # key -> its value at the first step
         self.bound = _bind_hyperparameter(optimizer, group_index) if flat_step else None
@@ -425,13 +426,17 @@ class Bucket:
                 self._unlanded.append(index)
         return flags
 
-    def land_gradients(self, read_in_place=None):
+    def land_gradients(self, unreadable=None):
         """Copy the collected gradients that are not their views yet into their views, in one foreach
-        copy, and make the views their ``.grad``: but those ``read_in_place(grad, view)`` accepts, which
-        the step reads where they are (``triton_adam.reads_gradient``) and which stay as they are."""
+        copy, and make the views their ``.grad``. For a step that reads gradients where they are,
+        ``unreadable(grad, view)`` says why it cannot read one (``triton_adam.unreadable_gradient``):
+        only those are copied, the others stay as they are; ``copied_gradients`` keeps {parameter
+        index: why} of this step (the inspection report shows it)."""
         indices, self._unlanded = self._unlanded, []
-        if read_in_place is not None:
-            indices = [i for i in indices if not read_in_place(self.params[i].grad, self.grad_views[i])]
+        if unreadable is not None:
+            reasons = {i: unreadable(self.params[i].grad, self.grad_views[i]) for i in indices}
+            indices = [i for i, reason in reasons.items() if reason is not None]
+            self.copied_gradients = {i: reasons[i] for i in indices}
         if not indices:
             return
         self.hold_gradients(filled_by=set(indices))
@@ -676,17 +681,17 @@ def land_gradients_at_step(record):
 @torch.compiler.disable
 def collect_gradients(record, gradient_reader=None):
     """The buckets to step now (``Bucket.collect_gradients``), their hyperparameters synced and their
-    gradients landed (``Bucket.land_gradients``), but those that ``gradient_reader(bucket)``, the
-    bucket's step's test of a gradient it reads in place, accepts (None: it reads the flat buffer).
+    gradients landed (``Bucket.land_gradients``), but those that the bucket's step reads where they
+    are: ``gradient_reader(bucket)`` is its ``unreadable(grad, view)`` (None: it reads the flat buffer).
     Eager, also inside a compiled train step (it reads Python-side state of every parameter)."""
     optimizer = record.optimizer
     stepping = []
     for bucket in record.buckets:
         if bucket.collect_gradients(optimizer, record):
             bucket.sync_hyperparameters(optimizer)
-            read_in_place = None if gradient_reader is None else gradient_reader(bucket)
+            unreadable = None if gradient_reader is None else gradient_reader(bucket)
             if bucket.fp8_grads is None:
-                bucket.land_gradients(read_in_place)
+                bucket.land_gradients(unreadable)
             stepping.append(bucket)
     return stepping
 

@@ -248,17 +248,24 @@ def compiling_subgraph(record, subgraph):
 HAND_WRITTEN_STEP = "flash_inductor.triton_adam"
 
 
-def note_step_kernels(why_not):
-    """For reports collecting now: which flat buckets the hand-written Triton step ran ({bucket name:
-    None}) and why the others were compiled instead ({bucket name: reason}); one record per report."""
+def note_step_kernels(optimizer_record, why_not):
+    """For reports collecting now: which flat buckets the hand-written Triton step ran ({bucket: None})
+    and why the others were compiled instead ({bucket: reason}), and for the first whether it read
+    every gradient where the backward left it or which it copied into the flat buffer, and why; one
+    record per report."""
     for report in _active:
         if any(g.name == HAND_WRITTEN_STEP for g in report.graphs) or all(why_not.values()):
             continue
         record = GraphRecord(HAND_WRITTEN_STEP, "optimizer step", {})
         record.kernels["optimizer step"] = inspect.getsource(triton_adam)
         for bucket, reason in why_not.items():
-            record.decision("step_kernel", bucket, "hand-written Triton kernel" if reason is None else
+            record.decision("step_kernel", bucket.name, "hand-written Triton kernel" if reason is None else
                             f"compiled stock update ({reason})")
+            if reason is None:
+                copied = [f"{optimizer_record.param_names.get(bucket.params[i], i)} ({why})"
+                          for i, why in bucket.copied_gradients.items()]
+                record.decision("gradients", bucket.name, "read where the backward left them" if not copied else
+                                f"{len(copied)} copied into the flat buffer: {', '.join(copied)}")
         report.graphs.append(record)
 
 

@@ -44,15 +44,15 @@ def route_step_through_buckets(optimizer, compile_options):
         loss = evaluate_closure(closure)
         why_not = {}  # bucket -> why the kernel does not step it (None: it does)
 
-        def kernel_reads(bucket):  # the kernel's test of a gradient it reads in place, for a bucket it steps
+        def kernel_reads(bucket):  # why the kernel cannot read a gradient in place, for a bucket it steps
             why_not[bucket] = triton_adam.ineligible(bucket, bucket.optimizer)
-            return triton_adam.reads_gradient if why_not[bucket] is None else None
+            return triton_adam.unreadable_gradient if why_not[bucket] is None else None
 
         stepping = flat.collect_gradients(record, kernel_reads if hand_written else None)  # checks each gradient
         checks.check_numerics(record, self, stepped={p for b in stepping for p in b.stepped_params()})
         module_hooks.forget_loaded_error_terms(record.params())
         if hand_written:
-            inspection.note_step_kernels({b.name: why_not[b] for b in stepping})
+            inspection.note_step_kernels(record, {b: why_not[b] for b in stepping})
         by_kernel = [b for b in stepping if b in why_not and why_not[b] is None]
         for bucket in by_kernel:
             triton_adam.step(bucket, bucket.optimizer)

@@ -12,7 +12,7 @@ of ``formats/split_weights.py`` (the step's plain pair, int8 error terms) and
 written once more in Triton; ``tests/test_gpu.py`` holds it to the fp64 reference and to the
 Inductor step. Groups whose parameter has no gradient (``bucket.active``) are not written. The
 kernels read each parameter's gradient where it is (``_gradient``: a table of ``.grad`` addresses),
-so the flat gradient buffer is written only for gradients they cannot read there (``reads_gradient``).
+so the flat gradient buffer is written only for gradients they cannot read there (``unreadable_gradient``).
 FP8-LM's states (``formats/tensor_scaled.py``: one scale per tensor) take two kernels
 (``_step_tensor_scaled``), held to the same reference by tests/test_fp8lm_states.py.
 ``LaunchShape.approx`` computes the same step with cheaper arithmetic (``_adam_block``), inside the
@@ -377,7 +377,7 @@ if _compat.HAS_TRITON:
     def _gradient(weights, grad_addresses, starts, numels, segment, rows, mask, MAXIMIZE: tl.constexpr,
                   EVICT: tl.constexpr, VECTOR: tl.constexpr):
         """The gradient of rows ``rows`` (of segments ``segment``), read where each parameter's gradient
-        is: ``grad_addresses[s]`` is the address of segment s's gradient (``reads_gradient``: contiguous,
+        is: ``grad_addresses[s]`` is the address of segment s's gradient (``unreadable_gradient``: contiguous,
         16-byte aligned, the weights' dtype; 0 for none), ``starts[s]`` its first row and ``numels[s]``
         its elements. The segment's padding and a parameter without gradient read 0, as the zeros of the
         flat buffer did."""
@@ -638,15 +638,20 @@ def step(bucket, optimizer):
         **constants, num_warps=shape.num_warps)
 
 
-def reads_gradient(grad, view):
-    """Whether the kernel reads ``grad``, a parameter's gradient whose view of the flat buffer is ``view``,
-    where it is (``_gradient``): dense, contiguous, 16-byte aligned and a whole number of 16 bytes long
-    (its loads take 16 bytes at a time), of the view's dtype, shape and device. ``flat.collect_gradients``
-    copies the others into the flat buffer, where under ``@train_step`` every gradient was copied before
-    (a foreach copy of 4 B/param, and the gradients held twice at the step: docs/architecture.md)."""
-    return (grad.layout == torch.strided and grad.dtype == view.dtype and grad.shape == view.shape
-            and grad.device == view.device and grad.is_contiguous() and grad.data_ptr() % 16 == 0
-            and grad.numel() * grad.element_size() % 16 == 0)
+def unreadable_gradient(grad, view):
+    """Why the kernel cannot read ``grad``, a parameter's gradient whose view of the flat buffer is
+    ``view``, where it is (``_gradient``), or None: it must be dense and contiguous, 16-byte aligned
+    and a whole number of 16 bytes long (its loads take 16 bytes at a time), of the view's dtype,
+    shape and device. ``flat.collect_gradients`` copies the others into the flat buffer, where under
+    ``@train_step`` every gradient was copied before (a foreach copy of 4 B/param, and the gradients
+    held twice at the step: docs/architecture.md)."""
+    if grad.layout != torch.strided or (grad.dtype, grad.shape, grad.device) != (view.dtype, view.shape, view.device):
+        return f"{grad.dtype}{list(grad.shape)} on {grad.device}, not as its parameter"
+    if not grad.is_contiguous():
+        return f"not contiguous: strides {list(grad.stride())}"
+    if grad.data_ptr() % 16 or grad.numel() * grad.element_size() % 16:
+        return "not 16-byte aligned, or not a whole number of 16 bytes long"
+    return None
 
 
 _ADDRESSES = weakref.WeakKeyDictionary()  # bucket -> (its gradients' addresses, as a tuple and on its device)

@@ -243,7 +243,7 @@ def test_gradients_landed_at_the_step_in_one_copy_give_the_same_bits():
 
 def test_a_step_that_reads_gradients_where_they_are_lands_only_those_it_cannot_read():
     """``collect_gradients`` with a step's reader of gradients (the hand-written kernel's
-    ``triton_adam.reads_gradient``) copies into the flat buffer only the gradients it refuses (not
+    ``triton_adam.unreadable_gradient``) copies into the flat buffer only the gradients it refuses (not
     contiguous, not 16-byte aligned, a length that is not whole 16 bytes), with their values; the
     others stay the tensors they were, and with none refused the buffer gets no storage. Without a
     reader every gradient is copied."""
@@ -273,7 +273,7 @@ def test_a_step_that_reads_gradients_where_they_are_lands_only_those_it_cannot_r
         opt.zero_grad()
         return kept, held
 
-    reader = lambda bucket: triton_adam.reads_gradient  # noqa: E731
+    reader = lambda bucket: triton_adam.unreadable_gradient  # noqa: E731
     assert collect(reader) == ([True, True, False, True], True)  # 5 elements: 10 bytes
     assert collect(reader, without=2) == ([True] * 4, False)
     assert collect(reader, refused=True) == ([True, False, False, False], True)

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import flash_inductor
-from flash_inductor import roles, triton_adam
+from flash_inductor import inspection, roles, triton_adam
 from flash_inductor.formats.fp8 import sqnr_db
 from flash_inductor.pipeline import PassFailed
 from helpers import assert_same_bits, ref_decode_state, stored_bits
@@ -235,6 +235,10 @@ def test_triton_step_edge_cases(launch, monkeypatch):
     check_kernel_edge_cases("cuda")
 
 
+def COPY_EVERY_GRADIENT(grad, view):  # noqa: N802 (a constant of the tests: the step that copies them all)
+    return "copied for the comparison"
+
+
 def _prepared_pair(state_format, device):
     """Two copies of one set of parameters whose sizes leave partial groups (one smaller than a group),
     prepared alike with 8-bit states of ``state_format``."""
@@ -250,7 +254,7 @@ def _prepared_pair(state_format, device):
 
 
 def check_gradients_read_in_place(device, state_format, monkeypatch):
-    """The kernel reads each ``.grad`` where it is (``triton_adam.reads_gradient``): the step meets the
+    """The kernel reads each ``.grad`` where it is (``triton_adam.unreadable_gradient``): the step meets the
     fp64 reference (companded states) and stores the bits of the step that copies every gradient into
     the flat buffer first; that buffer then gets no storage, and ``.grad`` stays the tensor it was. A
     gradient it cannot read there (transposed, not 16-byte aligned, or of a length that is not a
@@ -258,7 +262,7 @@ def check_gradients_read_in_place(device, state_format, monkeypatch):
     gradient keeps its bits. Also run by Triton's interpreter (tests/test_triton_interpreter.py)."""
     (params, opt), (copied_params, copied_opt) = _prepared_pair(state_format, device)
     (bucket,), (copied_bucket,) = roles.PREPARED[opt].buckets, roles.PREPARED[copied_opt].buckets
-    reads_gradient = triton_adam.reads_gradient
+    unreadable = triton_adam.unreadable_gradient
     torch.manual_seed(1)
     for step in range(3):
         grads = [(torch.randn(p.shape, device=device) * 1e-2).to(p.dtype) for p in params]
@@ -270,7 +274,7 @@ def check_gradients_read_in_place(device, state_format, monkeypatch):
             grads[3] = None  # the parameter of 5 elements (10 bytes) has a gradient in step 1 only
         given = {}
         for run, (ps, o) in {"copied": (copied_params, copied_opt), "in place": (params, opt)}.items():
-            monkeypatch.setattr(triton_adam, "reads_gradient", reads_gradient if run == "in place" else lambda g, v: False)
+            monkeypatch.setattr(triton_adam, "unreadable_gradient", unreadable if run == "in place" else COPY_EVERY_GRADIENT)
             for p, g in zip(ps, grads):
                 p.grad = None if g is None else g.clone(memory_format=torch.preserve_format) if run == "copied" else g
             given[run] = [p.grad for p in ps]
@@ -315,6 +319,30 @@ def check_backward_leaves_gradients_to_the_kernel(device):
             opt.zero_grad()
         runs.append(stored_bits(model, opt))
     assert_same_bits(*runs)
+
+
+def check_report_names_the_gradients_copied(device):
+    """The inspection report says, of a bucket the hand-written kernel steps, that it read every gradient
+    where it was, or which it copied into the flat buffer and why. Also run by Triton's interpreter."""
+    def decisions(*shapes):
+        torch.manual_seed(0)
+        params = nn.ParameterList([nn.Parameter(torch.randn(*shape, device=device)) for shape in shapes])
+        opt = torch.optim.AdamW(params, lr=LR)
+        flash_inductor.prepare(params, opt, min_quantized_numel=1, compile_options={})
+        for p in params:
+            p.grad = torch.randn(p.shape, device=device).to(p.dtype)
+        report = flash_inductor.inspect(lambda: opt.step())
+        (step,) = [g for g in report.graphs if g.name == inspection.HAND_WRITTEN_STEP]
+        return {kind: decision for kind, _, decision in step.decisions}
+
+    assert decisions((64, 48), (16,)) == {"step_kernel": "hand-written Triton kernel",
+                                          "gradients": "read where the backward left them"}
+    assert decisions((64, 48), (5,))["gradients"] == (
+        "1 copied into the flat buffer: 1 (not 16-byte aligned, or not a whole number of 16 bytes long)")
+
+
+def test_report_names_the_gradients_copied():
+    check_report_names_the_gradients_copied("cuda")
 
 
 def test_backward_leaves_gradients_to_the_kernel():
@@ -587,11 +615,11 @@ def test_train_step_kernel_reads_the_gradients_the_backward_returned(cudagraphs,
     """Under ``@train_step`` (gradients landed at the step) the hand-written step reads each gradient
     the compiled backward returned where it is (with ``cudagraphs``: in the CUDA graphs' pool): no
     flat gradient buffer gets storage, and four steps store the bits of copying them in first."""
-    held, kernel_step, reads_gradient = [], triton_adam.step, triton_adam.reads_gradient
+    held, kernel_step, unreadable = [], triton_adam.step, triton_adam.unreadable_gradient
     monkeypatch.setattr(triton_adam, "step", lambda bucket, o: held.append(bucket.gradients_held()) or kernel_step(bucket, o))
     runs = []
     for in_place in (True, False):
-        monkeypatch.setattr(triton_adam, "reads_gradient", reads_gradient if in_place else lambda g, v: False)
+        monkeypatch.setattr(triton_adam, "unreadable_gradient", unreadable if in_place else COPY_EVERY_GRADIENT)
         runs.append(_four_train_steps(cudagraphs=cudagraphs))
     assert len(held) == 8 and held == [False] * 4 + [True] * 4, held
     assert runs[0][0] == runs[1][0]

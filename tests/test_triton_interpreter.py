@@ -22,6 +22,7 @@ from test_gpu import (
     check_backward_leaves_gradients_to_the_kernel,
     check_gradients_read_in_place,
     check_kernel_edge_cases,
+    check_report_names_the_gradients_copied,
 )
 from test_optimizer_numerics import check_one_step_against_fp64_reference
 
@@ -116,3 +117,7 @@ def test_interpreted_kernel_reads_gradients_where_they_are(state_format, monkeyp
 
 def test_interpreted_kernel_takes_the_gradients_an_eager_backward_leaves():
     check_backward_leaves_gradients_to_the_kernel("cpu")
+
+
+def test_interpreted_step_reports_the_gradients_it_copied():
+    check_report_names_the_gradients_copied("cpu")
