@@ -28,7 +28,7 @@ from kernel_resources import _tool
 from flash_inductor import triton_adam
 
 # (grads: the flat gradient buffer the kernel read before it read each gradient where it is)
-ARGUMENT_TYPES = dict(weights="*bf16", errors="*i8", grads="*bf16", grad_addresses="*i64", starts="*i64", numels="*i64",
+ARGUMENT_TYPES = dict(weights="*bf16", errors="*i8", grads="*bf16", grad_addresses="*i64", starts="*i32", numels="*i32",
                       num_segments="i32", m_codes="*i8", m_scales="*fp16", v_codes="*u8",
                       v_scales="*fp16", beta_powers="*fp64", active="*i1", num_groups="i32", lr="fp32",
                       one_minus_beta1="fp32", beta2="fp32", one_minus_beta2="fp32", eps="fp32", weight_decay="fp32")

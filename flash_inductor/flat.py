@@ -138,8 +138,8 @@ class Bucket:
         self.states = {}
         starts = [self.segments[p].offset // GROUP for p in params]  # each parameter's first row
         # where each parameter's gradient goes, for a step that reads them where they are (triton_adam)
-        self.segment_starts = torch.tensor(starts, dtype=torch.int64, device=first.device)
-        self.segment_numels = torch.tensor([p.numel() for p in params], dtype=torch.int64, device=first.device)
+        self.segment_starts = torch.tensor(starts, dtype=torch.int32, device=first.device)
+        self.segment_numels = torch.tensor([p.numel() for p in params], dtype=torch.int32, device=first.device)
         for key in layout.quantized:
             self.states[key] = _flat_state(optimizer.state[first][key], self.num_groups, starts)
             for p in params:
