@@ -21,7 +21,7 @@ TESTS = pathlib.Path(__file__).parent
 @pytest.mark.skipif(not _compat.HAS_TRITON, reason="needs Triton (pip install -e '.[test]')")
 @pytest.mark.skipif(triton_adam.INTERPRETED, reason="this process runs tests/test_triton_interpreter.py itself")
 def test_triton_kernels_pass_under_the_interpreter():
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_triton_interpreter.py")],
-                         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_triton_interpreter.py")]
+    run = subprocess.run(command, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout, run.stdout[-2000:]
