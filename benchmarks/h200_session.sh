@@ -153,9 +153,10 @@ logged() {
   shift 3
   timeout "$limit" python "benchmarks/$script" "$@" --out "$out/$name.json" 2>&1 | tee "$out/$name.log"
 }
-# companded_gpu_tests NAME: every GPU test of the companded and FP8-LM steps and of gradient release, into $out/NAME.log
+# companded_gpu_tests NAME [LIMIT]: every GPU test of the companded and FP8-LM steps and of gradient release, into
+# $out/NAME.log, under `timeout LIMIT` (330 s)
 companded_gpu_tests() {
-  timeout 330 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8lm_states.py tests/test_gradient_release.py \
+  timeout "${2:-330}" python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8lm_states.py tests/test_gradient_release.py \
     2>&1 | grep -v "^DEBUG" > "$out/$1.log"
 }
 
@@ -542,8 +543,7 @@ case $stage in
   inplace)
     case ${PART:-tests} in
       tests)
-        timeout 450 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8lm_states.py tests/test_gradient_release.py \
-          2>&1 | grep -v "^DEBUG" > "$out/gpu_tests_inplace_h200.log"
+        companded_gpu_tests gpu_tests_inplace_h200 450
         tail -4 "$out/gpu_tests_inplace_h200.log"
         logged optimizer_step_inplace_h200 120 optimizer_step.py --lists gpt_1b --configs flashoptim,flashoptim_fp8lmstates ;;
       batch1)
