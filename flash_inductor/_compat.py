@@ -4,6 +4,7 @@ around, in one place."""
 import contextlib
 import functools
 import importlib.util
+import warnings
 
 import sympy
 import torch
@@ -106,3 +107,21 @@ def cpp_loop_split_keeps_every_element():
         yield
     finally:
         CppScheduling.try_loop_split = original
+
+
+def compile_without_cpp_vectorizer_on_its_known_error(compile_subgraph):
+    """``compile_subgraph()``; where the C++ backend's vectorized code fails to compile for a known
+    Inductor bug, again with the vectorizer off (``cpp.simdlen = 1``: scalar loops, the same math),
+    with a warning. The bug (torch 2.13, pytorch #194706): a bf16 reduction's accumulator converted to
+    bf16 is declared twice in one scope ("conflicting declaration ... at_BFloat16_tmp_acc0_vec"), in
+    Hugging Face's GPT-NeoX as under stock ``torch.compile``."""
+    try:
+        return compile_subgraph()
+    except Exception as error:  # Inductor wraps the CppCompileError
+        message = str(error)
+        if "conflicting declaration" not in message or "tmp_acc" not in message:
+            raise
+    warnings.warn("Inductor's C++ vectorizer emitted code that does not compile (a bf16 reduction's accumulator "
+                  "declared twice, pytorch #194706); this graph is compiled without vectorization", stacklevel=2)
+    with torch._inductor.config.patch({"cpp.simdlen": 1}):
+        return compile_subgraph()

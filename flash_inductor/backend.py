@@ -186,6 +186,7 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
         with warnings.catch_warnings(), _compat.cpp_codegen_workarounds(), inspection.compiling_subgraph(record, subgraph):
             # Inductor's C++ backend notes every kernel that mixes bf16 weights with fp16 scales.
             warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
-            return compile_fx_inner(aot_gm, aot_inputs, **kwargs)
+            return _compat.compile_without_cpp_vectorizer_on_its_known_error(
+                lambda: compile_fx_inner(aot_gm, aot_inputs, **kwargs))
 
     return compile_fx(result.graph_module, example_inputs, inner_compile=inner_compile, config_patches=patches or None)
