@@ -78,10 +78,12 @@ def prepare(
       ``torch.autocast(device_type, dtype=torch.bfloat16)`` (required) the activations are then those
       of fp32 weights under autocast, an fp32 residual stream with bf16 matmuls (docs/numerics.md).
     - ``bucket_numel`` caps the elements of each flat bucket (the parameters of one param group,
-      dtype and state kind share one by default). Smaller buckets lower the peak of a step whose
-      backward is one compiled graph (``train_step``): the step lands the gradients bucket by bucket,
-      so it holds them once plus one bucket's buffer instead of twice (docs/architecture.md).
-      Each bucket is one more launch of the step; the stored bits do not depend on it.
+      dtype and state kind share one by default). Where the step copies the gradients into the flat
+      buffers (the compiled stock update: the CPU, other optimizers; CUDA Adam/AdamW's hand-written
+      step reads them where they are), smaller buckets lower the peak of a step whose backward is
+      one compiled graph (``train_step``): the step lands the gradients bucket by bucket, so it holds
+      them once plus one bucket's buffer instead of twice (docs/architecture.md). Each bucket is one
+      more launch of the step; the stored bits do not depend on it.
     """
     # Everything is checked before anything is changed: a refused call leaves model and optimizer as
     # they were.
