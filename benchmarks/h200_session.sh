@@ -125,7 +125,8 @@
 #              gradient addresses), batch1 (the Llama at one sequence, where @train_step peaked at the step: read in
 #              place against copied, +copygrads), speed (the Llama, is_causal, 40 steps, 20 back to back, profiled:
 #              the baseline against FP8 + fast accumulation + cudagraphs, read in place and copied: speed and the
-#              reserved footprint of CUDA graphs)
+#              reserved footprint of CUDA graphs), recompute (the Llama, is_causal, 40 steps: flashoptim and FP8 +
+#              fast accumulation + cudagraphs, each with and without recompute_elementwise: peak memory, speed)
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -553,6 +554,10 @@ case $stage in
         logged hf_clients_llama_inplace_h200 540 hf_clients.py --model llama --attention is_causal \
           --configs baseline,flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+fastaccum+cudagraphs+copygrads \
           --steps 40 --log-every 20 --pipelined 20 --profile 2 ;;
+      recompute)
+        logged hf_clients_llama_recompute_h200 560 hf_clients.py --model llama --attention is_causal \
+          --configs flashoptim,flashoptim+recompute,flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+fastaccum+cudagraphs+recompute \
+          --steps 40 --log-every 20 --pipelined 20 ;;
     esac
     ;;
   multigpu)

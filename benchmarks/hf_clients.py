@@ -48,6 +48,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
     +chunkedloss        the lm_head and its cross-entropy 1024 rows at a time (loss_chunk_rows=1024): the fp32
                         logits never exist whole (with +regional, whose loss is eager, the Llama's loss calls
                         flash_inductor.linear_cross_entropy on its last hidden state itself)
+    +recompute          the backend's recompute_elementwise=True: a norm's output and silu(gate) * up recomputed in
+                        the backward instead of saved for its matmuls
     +copygrads          the step copies every gradient into the flat buffers before its kernel runs, as it did
                         before the hand-written kernel read them where the backward left them (an A/B of that)
     +emulate_NAME       fp32 states (as +fp32states) rounded after every step through the format NAME of
@@ -398,6 +400,7 @@ MODIFIERS = {
     "buckets": dict(bucket_numel=1 << 26),
     "chunkedloss": dict(loss_chunk_rows=1024),
     "copygrads": dict(copy_gradients=True),
+    "recompute": dict(recompute_elementwise=True),
     # fp32 states rounded after every step through a format of state_candidates.py: its effect on training
     **{f"emulate_{name}": dict(state_bits=None, emulate_states=name) for name in STATE_CANDIDATES},
 }

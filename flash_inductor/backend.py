@@ -189,4 +189,8 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
             return _compat.compile_without_cpp_vectorizer_on_its_known_error(
                 lambda: compile_fx_inner(aot_gm, aot_inputs, **kwargs))
 
-    return compile_fx(result.graph_module, example_inputs, inner_compile=inner_compile, config_patches=patches or None)
+    # The partitioner runs here, at the forward's compile (the backward's kernels come at its first call).
+    partitioner = {"ban_recompute_materialized_backward": False} if ctx.options.recompute_elementwise else {}
+    with torch._functorch.config.patch(partitioner):
+        return compile_fx(result.graph_module, example_inputs, inner_compile=inner_compile,
+                          config_patches=patches or None)

@@ -65,6 +65,11 @@ class Options:
         into a pool of its own each step (+2 B/param). ``mode="reduce-overhead"`` sets it.
     loss_chunk_rows: 0 leaves losses as written; N > 0 computes a cross-entropy of a linear's output
         N rows at a time, so the whole fp32 logits never exist (``passes/chunked_cross_entropy.py``).
+    recompute_elementwise: the backward recomputes an elementwise result that it would save only for
+        a matmul to read (a norm's output, ``silu(gate) * up`` before a down projection) from the
+        tensors it saves anyway, where Inductor's partitioner saves it (its heuristic
+        ``ban_recompute_materialized_backward`` off): less activation memory, one more elementwise
+        kernel in the backward for each.
     step_kernel: "triton" runs the flat Adam/AdamW step of each eligible CUDA bucket (8-bit states,
         24-bit or no masters) as the hand-written kernel of ``flash_inductor/triton_adam.py``;
         "inductor" compiles the stock update for every bucket (the reference; always on the CPU).
@@ -87,6 +92,7 @@ class Options:
     fp8_collectives: bool = False
     cudagraphs: bool = False
     loss_chunk_rows: int = 0
+    recompute_elementwise: bool = False
     step_kernel: str = "triton"
 
     @classmethod
@@ -132,6 +138,7 @@ class Options:
             fp8_collectives=_flag(options, "fp8_collectives"),
             cudagraphs=_flag(options, "cudagraphs"),
             loss_chunk_rows=_int(options, "loss_chunk_rows", "non-negative", 0, cls.loss_chunk_rows),
+            recompute_elementwise=_flag(options, "recompute_elementwise"),
             step_kernel=_choice(options, "step_kernel", ("triton", "inductor"), cls.step_kernel),
         )
 

@@ -245,3 +245,46 @@ def test_prepare_allocates_no_fp32_states(name):
                 assert all(t.element_size() <= 2 for t in stored_tensors(value))
     n = numel(model)
     assert as_dict(flash_inductor.memory_report(model, opt))["states"] == n_states * n
+
+
+class _GatedBlock(nn.Module):
+    """A pre-norm block with a SiLU-gated MLP (Llama's): the norm's output and ``silu(gate) * up``
+    are elementwise results that only matmuls read in the backward."""
+
+    def __init__(self, width=64, hidden=256):
+        super().__init__()
+        self.norm = nn.RMSNorm(width)
+        self.gate, self.up = nn.Linear(width, hidden, bias=False), nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_recompute_elementwise_saves_fewer_activations_for_the_same_gradients():
+    """Option ``recompute_elementwise``: the compiled forward saves fewer activations for the backward
+    (counted by autograd's saved-tensor hooks: what the compiled graph hands to autograd), exactly the
+    norms' outputs and the gated products, and the gradients are those of saving them (the same bits
+    on the CPU)."""
+    runs = {}
+    for recompute in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(_GatedBlock(), _GatedBlock()).to(torch.bfloat16)
+        loss = flash_inductor.compile(lambda x: model(x).float().square().mean(), recompute_elementwise=recompute)
+        weights, saved = {p.untyped_storage().data_ptr() for p in model.parameters()}, []
+
+        def pack(t):  # the activations' bytes (the weights are saved too, and cost nothing)
+            saved.append(0 if t.untyped_storage().data_ptr() in weights else t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            value = loss(torch.randn(128, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1)))
+        value.backward()
+        runs[recompute] = sum(saved), [p.grad for p in model.parameters()]
+    (kept, grads), (recomputed, recomputed_grads) = runs[False], runs[True]
+    # per block: the norm's output (128 x 64) and silu(gate) * up (128 x 256), bf16
+    assert kept - recomputed == 2 * (128 * 64 + 128 * 256) * 2, (kept, recomputed)
+    assert all(torch.equal(a, b) for a, b in zip(grads, recomputed_grads))
