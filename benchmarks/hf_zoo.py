@@ -10,7 +10,8 @@ Rows: ``stock`` (fp32 parameters, torch's AdamW, fused on CUDA, with bf16 autoca
 ``torch.compile(model)`` there; eager on the CPU), ``flashoptim`` (``train_step``: 24-bit masters,
 8-bit states) and ``flashoptim_fp8`` (the same with ``fp8="tensorwise"``; every eligible linear at
 ``--size tiny``). Run when named: ``flashoptim_fp8+every`` (every eligible linear, whatever its size),
-``flashoptim+cudagraphs`` and ``flashoptim_fp8+cudagraphs`` (``cudagraphs=True``). Every row trains on
+``flashoptim+cudagraphs`` and ``flashoptim_fp8+cudagraphs`` (``cudagraphs=True``), ``flashoptim+recompute``
+and ``flashoptim_fp8+recompute`` (``recompute_elementwise=True``). Every row trains on
 one fixed batch of random tokens (the loss falls as the model memorizes it), dropout off, so the
 rows' losses are comparable step by step.
 
@@ -63,6 +64,7 @@ def _moe(config_class, model_class, experts_key, **extra):
 
 
 ARCHITECTURES = {
+    "llama": _decoder("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": _decoder("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": _decoder("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": _decoder("MistralConfig", "MistralForCausalLM"),
@@ -88,7 +90,8 @@ ARCHITECTURES = {
         vocab_size=d["vocab"], d_model=d["hidden"], d_ff=d["inter"], num_layers=d["layers"], num_heads=d["heads"],
         d_kv=d["hidden"] // d["heads"], decoder_start_token_id=0, pad_token_id=0)),
 }
-ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs")
+ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs",
+        "flashoptim+recompute", "flashoptim_fp8+recompute")
 DEFAULT_ROWS = ROWS[:3]
 # A train step's own graph breaks: at loss.backward(), and where the prepared optimizer's step runs.
 OWN_BREAKS = ("Tensor.backward()", "torch.compiler.disable()")
@@ -106,6 +109,13 @@ def build_model(name, size, device):
         if "dropout" in key and isinstance(value, float):
             setattr(model.config, key, 0.0)
     return model.to(device)
+
+
+def fixed_batch(size, device):
+    """The one batch of random tokens every row trains on (their ids are also the labels)."""
+    dims = SIZES[size]
+    ids = torch.randint(0, dims["vocab"], (dims["batch"], dims["seq"]), generator=torch.Generator().manual_seed(1))
+    return dict(input_ids=ids.to(device), labels=ids.to(device))
 
 
 def make_step(row, model, args):
@@ -131,6 +141,8 @@ def make_step(row, model, args):
         options.update(fp8_min_weight_numel=0, fp8_min_gemm_size=0)
     if "cudagraphs" in flags:
         options["cudagraphs"] = True
+    if "recompute" in flags:
+        options["recompute_elementwise"] = True
     if args.compiler == "eager":
         options["compiler"] = "eager"
     return flash_inductor.train_step(step, model=model, optimizer=opt, **options), opt
@@ -151,9 +163,7 @@ def run_row(name, row, args):
             model = build_model(name, args.size, device)
             result["num_params"] = sum(p.numel() for p in model.parameters())
             step, opt = make_step(row, model, args)
-            dims = SIZES[args.size]
-            ids = torch.randint(0, dims["vocab"], (dims["batch"], dims["seq"]), generator=torch.Generator().manual_seed(1))
-            batch = dict(input_ids=ids.to(device), labels=ids.to(device))
+            batch = fixed_batch(args.size, device)
             losses, seconds, report = [], [], inspection.Report()
             for i in range(args.steps):
                 if cuda:

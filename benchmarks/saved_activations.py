@@ -1,30 +1,32 @@
 """What a compiled train step saves for its backward, tensor by tensor, on the CPU.
 
-Builds a small Hugging Face ``LlamaForCausalLM`` from a config (random init, no download), runs one
-``@flash_inductor.train_step`` with the given backend options, and lists the forward graph's outputs
-that the backward reads (the partition's saved activations: not the graph's inputs, which are the
-parameters and the batch), with dtype, shape, bytes and the model's source line. On the CPU the FP8
-linears are an emulation whose partition differs from the GPU's; the GPU's is in Inductor's output
-code (``TORCH_LOGS=output_code``, e.g. ``benchmarks/h200_session.sh fp8kernels``). Needs transformers::
+Builds a Hugging Face model of ``benchmarks/hf_zoo.py`` (its tiny config, random init, no download),
+runs one step of a zoo row (``flashoptim``, ``flashoptim+recompute``, ``flashoptim_fp8``, ...) and lists
+the forward graph's outputs that the backward reads (the partition's saved activations: not the
+graph's inputs, which are the parameters and the batch), with dtype, shape, bytes and the model's
+source line. On the CPU the FP8 linears are an emulation whose partition differs from the GPU's; the
+GPU's is in Inductor's output code (``TORCH_LOGS=output_code``, e.g. ``h200_session.sh fp8kernels``).
+Needs transformers::
 
-    python benchmarks/saved_activations.py --out benchmarks/results/saved_activations_llama_tiny_cpu.json
-    python benchmarks/saved_activations.py --recompute-elementwise --fp8
+    python benchmarks/saved_activations.py --model llama --rows flashoptim,flashoptim+recompute \\
+        --out benchmarks/results/saved_activations_llama_tiny_cpu.json
 """
 
 import argparse
 import collections
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch._inductor.compile_fx as compile_fx
 
-import flash_inductor
+sys.path.insert(0, str(Path(__file__).parent))
+import hf_zoo  # noqa: E402
 
 
-def saved_activations(fp8=False, recompute_elementwise=False, hidden=256, intermediate=704, layers=2, seq=128):
-    """[(name, dtype, shape, bytes, source line)] of every forward graph's saved activations."""
-    import transformers
-
+def saved_activations(model_name, row):
+    """[(name, dtype, shape, bytes, source line)] of what the forward graphs of ``row``'s first step save."""
     partitions = []
     partition = compile_fx.min_cut_rematerialization_partition
 
@@ -34,27 +36,13 @@ def saved_activations(fp8=False, recompute_elementwise=False, hidden=256, interm
 
     compile_fx.min_cut_rematerialization_partition = spy
     try:
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate,
-                                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                                          max_position_embeddings=seq)
-        model = transformers.LlamaForCausalLM(config)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        options = dict(recompute_elementwise=recompute_elementwise)
-        if fp8:
-            options.update(fp8="tensorwise", fp8_min_weight_numel=0, fp8_min_gemm_size=0)
-
-        @flash_inductor.train_step(model=model, optimizer=opt, **options)
-        def step(ids):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
+        torch._dynamo.reset()
+        model = hf_zoo.build_model(model_name, "tiny", "cpu")
+        args = argparse.Namespace(device="cpu", size="tiny", lr=1e-3, compiler="inductor")
+        step, _ = hf_zoo.make_step(row, model, args)
         # a cache hit would skip the partitioner
         with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-            step(torch.randint(0, 512, (2, seq), generator=torch.Generator().manual_seed(1)))
+            step(hf_zoo.fixed_batch("tiny", "cpu"))
     finally:
         compile_fx.min_cut_rematerialization_partition = partition
     rows = []
@@ -73,24 +61,23 @@ def saved_activations(fp8=False, recompute_elementwise=False, hidden=256, interm
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fp8", action="store_true", help="fp8='tensorwise' on every linear (CPU: emulated)")
-    parser.add_argument("--recompute-elementwise", action="store_true", help="the backend option recompute_elementwise")
-    parser.add_argument("--out", help="JSON: both settings of --recompute-elementwise, rows and totals")
+    parser.add_argument("--model", default="llama", choices=sorted(hf_zoo.ARCHITECTURES))
+    parser.add_argument("--rows", default="flashoptim,flashoptim+recompute", help=f"of {', '.join(hf_zoo.ROWS[1:])}")
+    parser.add_argument("--out", help="JSON: each row's saved tensors and total")
     args = parser.parse_args(argv)
-    settings = (False, True) if args.out else (args.recompute_elementwise,)
     results = {}
-    for recompute in settings:
-        rows = saved_activations(fp8=args.fp8, recompute_elementwise=recompute)
+    for row in args.rows.split(","):
+        saved = saved_activations(args.model, row)
         by_dtype = collections.Counter()
-        print(f"== recompute_elementwise={recompute}, fp8={args.fp8}")
-        for name, dtype, shape, nbytes, line in rows:
+        print(f"== {args.model} {row}")
+        for name, dtype, shape, nbytes, line in saved:
             by_dtype[dtype] += nbytes
             print(f"{name:28} {dtype:10} {str(shape):18} {nbytes / 1024:8.1f} KiB  {line[:80]}")
         print(f"saved: {sum(by_dtype.values()) / 1024:.1f} KiB ({', '.join(f'{k} {v / 1024:.1f}' for k, v in by_dtype.items())})")
-        results[str(recompute)] = dict(rows=rows, total_bytes=sum(by_dtype.values()))
+        results[row] = dict(saved=saved, total_bytes=sum(by_dtype.values()))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(fp8=args.fp8, recompute_elementwise=results), f, indent=1)
+            json.dump(dict(model=args.model, size=hf_zoo.SIZES["tiny"], rows=results), f, indent=1)
 
 
 if __name__ == "__main__":
