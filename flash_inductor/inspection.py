@@ -250,9 +250,9 @@ HAND_WRITTEN_STEP = "flash_inductor.triton_adam"
 
 def note_step_kernels(optimizer_record, why_not):
     """For reports collecting now: which flat buckets the hand-written Triton step ran ({bucket: None})
-    and why the others were compiled instead ({bucket: reason}), and for the first whether it read
-    every gradient where the backward left it or which it copied into the flat buffer, and why; one
-    record per report."""
+    and why the others were compiled instead ({bucket: reason}), and, of each bucket it ran, whether
+    it read every gradient where the backward left it or which it copied into the flat buffer, and
+    why; one record per report."""
     for report in _active:
         if any(g.name == HAND_WRITTEN_STEP for g in report.graphs) or all(why_not.values()):
             continue
