@@ -40,6 +40,18 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return copied
 
 
+def rewrite_copy(gm: fx.GraphModule, names, rewrite) -> fx.GraphModule:
+    """A copy of ``gm`` (``copy_graph_module``) in which ``rewrite(graph, node)`` has rewritten each node
+    named in ``names``, in that order; linted and recompiled. The skeleton of most passes."""
+    gm = copy_graph_module(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name in names:
+        rewrite(gm.graph, nodes[name])
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
 def input_name(node: fx.Node):
     """The dotted name (``blocks.0.fc1.weight``) of a parameter or buffer input, read off Dynamo's
     source for it (``L['self']._modules['blocks']._modules['0']._parameters['weight']``); the

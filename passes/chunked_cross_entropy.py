@@ -101,15 +101,13 @@ def chunked_cross_entropy_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule,
             found.append(node.name)
     if not found:
         return gm, []
-    gm = graph_utils.copy_graph_module(gm)
-    nodes = {n.name: n for n in gm.graph.nodes}
-    for name in found:
-        node = nodes[name]
+
+    def chunk(graph, node):
         linear_node, (x, weight, bias, layout), target, ignore_index, reduction = _match(node)
         features = x.meta["example_value"].shape[-1]
-        with gm.graph.inserting_before(node):
-            rows = gm.graph.call_method("reshape", (x, -1, features))
-            loss = gm.graph.call_function(linear_cross_entropy, (rows, out_in_weight(gm.graph, weight, layout), bias, target), {
+        with graph.inserting_before(node):
+            rows = graph.call_method("reshape", (x, -1, features))
+            loss = graph.call_function(linear_cross_entropy, (rows, out_in_weight(graph, weight, layout), bias, target), {
                 "ignore_index": ignore_index, "reduction": reduction, "chunk_rows": chunk_rows})
         node.replace_all_uses_with(loss)
         chain, current = [], node.args[0]
@@ -117,10 +115,9 @@ def chunked_cross_entropy_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule,
             chain.append(current)
             current = current.args[0]
         chain += [linear_node] + [a for a in linear_node.args if is_transpose(a)]
-        gm.graph.erase_node(node)
+        graph.erase_node(node)
         for dead in chain:
             if not dead.users:
-                gm.graph.erase_node(dead)
-    gm.graph.lint()
-    gm.recompile()
-    return gm, found
+                graph.erase_node(dead)
+
+    return graph_utils.rewrite_copy(gm, found, chunk), found

@@ -72,16 +72,13 @@ def fp32_losses_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]
     found = [n.name for n in gm.graph.nodes if is_loss(n) and _half_arguments(n)]
     if not found:
         return gm, []
-    gm = graph_utils.copy_graph_module(gm)
-    nodes = {n.name: n for n in gm.graph.nodes}
-    for name in found:
-        node = nodes[name]
+
+    def widen(graph, node):
         for argument in _half_arguments(node):
-            with gm.graph.inserting_before(node):
-                node.replace_input_with(argument, gm.graph.call_method("float", (argument,)))
+            with graph.inserting_before(node):
+                node.replace_input_with(argument, graph.call_method("float", (argument,)))
             if ctx.recorder:
-                ctx.recorder.decision("fp32_losses", name, f"computed in fp32: {argument.name} was "
+                ctx.recorder.decision("fp32_losses", node.name, f"computed in fp32: {argument.name} was "
                                       f"{argument.meta['example_value'].dtype}")
-    gm.graph.lint()
-    gm.recompile()
-    return gm, found
+
+    return graph_utils.rewrite_copy(gm, found, widen), found

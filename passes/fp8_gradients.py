@@ -44,15 +44,13 @@ def fp8_gradients_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[st
     ]
     if not targets:
         return gm, []
-    gm = graph_utils.copy_graph_module(gm)
-    nodes = {n.name: n for n in gm.graph.nodes}
-    for name in targets:
-        role = ctx.roles[name]
+
+    def decode_in_step(graph, node):
+        role = ctx.roles[node.name]
         store = role.prepared.fp8_gradients
-        parts = [graph_utils.add_bound_placeholder(gm.graph, role.node_name(part), getattr(store, part))
+        parts = [graph_utils.add_bound_placeholder(graph, role.node_name(part), getattr(store, part))
                  for part in ("codes", "scales", "starts")]
-        graph_utils.work_on_decoded_copy(gm.graph, nodes[name], decode, None, extra=parts, name=role.node_name("fp32"))
-    gm.graph.lint()
-    gm.recompile()
-    return gm, targets
+        graph_utils.work_on_decoded_copy(graph, node, decode, None, extra=parts, name=role.node_name("fp32"))
+
+    return graph_utils.rewrite_copy(gm, targets, decode_in_step), targets
 

@@ -38,17 +38,15 @@ def split_weights_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[st
     ]
     if not targets:
         return gm, []
-    gm = graph_utils.copy_graph_module(gm)
-    nodes = {n.name: n for n in gm.graph.nodes}
-    for name in targets:
-        role = ctx.roles[name]
+
+    def split(graph, node):
+        role = ctx.roles[node.name]
         error = role.prepared.error_term(role.param)
-        error_node = graph_utils.add_bound_placeholder(gm.graph, role.node_name("error"), error)
+        error_node = graph_utils.add_bound_placeholder(graph, role.node_name("error"), error)
         shape = role.prepared.update_shape(role.param)
         graph_utils.work_on_decoded_copy(
-            gm.graph, nodes[name], split_weights.decode_for_step, split_weights.store_from_step, extra=(error_node,),
+            graph, node, split_weights.decode_for_step, split_weights.store_from_step, extra=(error_node,),
             name=role.node_name("master"), view=shape if shape != tuple(role.param.shape) else None,
         )
-    gm.graph.lint()
-    gm.recompile()
-    return gm, targets
+
+    return graph_utils.rewrite_copy(gm, targets, split), targets
