@@ -28,6 +28,22 @@ def check_numerics(record, optimizer, stepped=None):
             check_lr_moves_weights(record, group, stepped)
 
 
+def check_storage(record, p):
+    """A parameter of a flat bucket must still be its view of the bucket's weights: ``model.to()``,
+    ``.float()``, ``.half()`` or ``p.data = ...`` after ``prepare`` give it another tensor, which the
+    step would never update (it updates the flat storage) or which its bf16 gradient could not be
+    assigned to."""
+    expected = record.weight_addresses.get(p)
+    if expected is not None and p.data_ptr() != expected:
+        name = record.param_names.get(p, "?")
+        raise RuntimeError(
+            f"parameter '{name}' ({p.dtype} on {p.device}) no longer holds the storage flash_inductor.prepare gave "
+            "it: its .data was replaced after prepare (model.to(device or dtype), model.float(), model.half(), or "
+            "an assignment to .data), so the optimizer would update a tensor the model no longer reads. Move and "
+            "convert the model before prepare(model, optimizer), and leave its parameters as prepare made them"
+        )
+
+
 def check_grad(record, p):
     """The compiled step needs a dense gradient of the parameter's dtype and shape (or none)."""
     if p.grad is None:

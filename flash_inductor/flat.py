@@ -130,6 +130,7 @@ class Bucket:
         self.weights = zeros(first.dtype)
         for p in params:
             self._adopt_weights(p)
+            record.weight_addresses[p] = p.data_ptr()
         error = record.error_term(first)
         self.errors = None if error is None else zeros(error.dtype)
         for p in params:
@@ -327,6 +328,7 @@ class Bucket:
         ``land_gradients_at_step``, or for a step that reads the gradients where they are
         (``reads_gradients_in_place``): nothing here, the step lands what it has to
         (``land_gradients``)."""
+        checks.check_storage(self._record(), self.params[index])
         if self.fp8_grads is not None:
             self._encode_gradient(index)
             return
@@ -419,6 +421,7 @@ class Bucket:
         self._last_received, self._received = self._received, set()
         flags, self._unlanded = [], []
         for index, (p, view) in enumerate(zip(self.params, self.grad_views)):
+            checks.check_storage(record, p)
             grad = p.grad
             flags.append(grad is not None)
             if grad is not None and grad is not view:
@@ -449,6 +452,7 @@ class Bucket:
         """Which parameters have an FP8 gradient (a ``.grad`` set by hand is added first); the step
         consumes them."""
         for index, p in enumerate(self.params):
+            checks.check_storage(self._record(), p)
             if p.grad is not None:
                 self._encode_gradient(index)
         flags = [index in self._received for index in range(len(self.params))]

@@ -204,6 +204,7 @@ class GradientRelease:
                 "parallelism (DistributedDataParallel) it would be updated with its local gradient before the "
                 "all-reduce; use gradient_release=False, or shard the model with FSDP2 (fully_shard)"
             )
+        checks.check_storage(self.record, param)
         checks.check_grad(self.record, param)
         group_index = self.group_index[param]
         group = {k: v for k, v in optimizer.param_groups[group_index].items() if k != "params"}

@@ -28,6 +28,8 @@ class PreparedOptimizer:
     check_numerics: bool
     error_terms: dict = dataclasses.field(default_factory=dict)  # param -> error term
     param_names: dict = dataclasses.field(default_factory=dict)  # param -> name
+    # param -> the address of its view of its bucket's flat weights, which its .data must stay
+    weight_addresses: dict = dataclasses.field(default_factory=dict)
     gradient_release: object = None  # a gradient_release.GradientRelease when prepared with it
     compile_options: dict = dataclasses.field(default_factory=dict)  # how its step is compiled
     buckets: list = dataclasses.field(default_factory=list)  # flat.Bucket, when its step is flat

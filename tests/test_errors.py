@@ -228,6 +228,53 @@ def test_check_numerics_accepts_lr_zero():
     assert _master(model, opt) == 1.5
 
 
+# ------------------------------------------------------- parameters replaced after prepare
+
+def _flat_storage(opt):
+    """Every flat buffer of the prepared optimizer's buckets: what its step updates."""
+    out = {}
+    for i, bucket in enumerate(roles.PREPARED[opt].buckets):
+        tensors = dict(weights=bucket.weights, errors=bucket.errors, step=bucket.step)
+        for key, state in bucket.states.items():
+            tensors.update({f"{key}.{name}": getattr(state, name) for name in state.__tensor_flatten__()[0]})
+        out.update({f"{i}.{k}": t.clone() for k, t in tensors.items() if t is not None})
+    return out
+
+
+REPLACEMENTS = {
+    "model.float()": lambda model: model.float(),
+    # what model.to(another device) does to each parameter: p.data = a copy
+    "model.to(device)": lambda model: model._apply(torch.clone),
+    ".data = ...": lambda model: setattr(model.fc2.weight, "data", model.fc2.weight.data.clone()),
+}
+
+
+@pytest.mark.parametrize("when", ["before backward", "between backward and step", "gradient release"])
+@pytest.mark.parametrize("replace", list(REPLACEMENTS))
+def test_a_parameter_replaced_after_prepare_is_refused_and_nothing_changes(replace, when):
+    """``model.float()``, ``.half()``, ``model.to(device)`` or ``p.data = ...`` after ``prepare`` give a
+    parameter a tensor the step does not update (it updates the flat storage): backward's hook or the
+    step names the parameter and the fix, before writing anything. Stock torch would train the new
+    tensor, so the step must not silently leave it as it is."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    flash_inductor.prepare(model, opt, compile_options=EAGER, gradient_release=when == "gradient release")
+    before = _flat_storage(opt)
+    x = torch.randn(8, 128)
+    message = r"parameter '.*' \(torch\.\w+ on cpu\) no longer holds the storage.*before prepare\(model, optimizer\)"
+    if when == "between backward and step":
+        model(x.bfloat16()).float().square().mean().backward()
+        REPLACEMENTS[replace](model)
+        with pytest.raises(RuntimeError, match=message):
+            opt.step()
+    else:
+        REPLACEMENTS[replace](model)
+        with pytest.raises(RuntimeError, match=message):
+            model(x.to(model.fc2.weight.dtype)).float().square().mean().backward()
+    assert_unchanged(before, _flat_storage(opt))
+
+
 # ------------------------------------------------------------------ parameters without gradients
 
 
