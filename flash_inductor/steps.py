@@ -38,7 +38,6 @@ def route_step_through_buckets(optimizer, compile_options):
         bucket.reads_gradients_in_place = hand_written and triton_adam.ineligible(bucket, bucket.optimizer) is None
     original_zero_grad = optimizer.zero_grad
 
-    @torch.compiler.disable
     def step(self, closure=None):
         record = prepared(self)
         loss = evaluate_closure(closure)
@@ -66,8 +65,10 @@ def route_step_through_buckets(optimizer, compile_options):
         original_zero_grad(set_to_none)
         flat.release_gradients(prepared(self), set_to_none)
 
-    # torch's wrapper of ``step``: the user's step hooks (register_step_pre_hook) and profiling.
-    optimizer.step = types.MethodType(torch.optim.Optimizer.profile_hook_step(step), optimizer)
+    # torch's wrapper of ``step``: the user's step hooks (register_step_pre_hook) and profiling; all
+    # of it eager (Dynamo would trace the wrapper up to the step and log that it ignores its profiler
+    # record_function, a warning in every compiled train step).
+    optimizer.step = types.MethodType(torch.compiler.disable(torch.optim.Optimizer.profile_hook_step(step)), optimizer)
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
 
 

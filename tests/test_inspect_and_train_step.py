@@ -1,6 +1,7 @@
 """Inspection reports and the train-step decorator, on one small model compiled once by Inductor."""
 
 import inspect
+import logging
 import os
 
 import pytest
@@ -137,3 +138,32 @@ def test_report_names_each_graph_break_with_its_reason_and_location():
     assert any(b.location == step_line and "torch.compiler.disable" in b.reason for b in report.graph_breaks)
     text = str(report)
     assert f"==== graph break at {branch.location}\n{branch.reason}" in text
+
+
+def test_a_compiled_train_step_logs_no_warning_about_the_optimizer_steps_wrapper():
+    """The prepared ``opt.step`` runs eagerly with torch's wrapper (step hooks, profiling): Dynamo had
+    traced that wrapper up to the step and logged, in every train step, that it ignores its profiler
+    ``record_function``."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    @flash_inductor.train_step(model=model, optimizer=opt, compiler="eager")
+    def step(x, y):
+        loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    dynamo_log = logging.getLogger("torch._dynamo")
+    dynamo_log.addHandler(handler)
+    torch._logging._internal.warning_once.cache_clear()  # each warning is logged once per process
+    try:
+        step(torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, 8))
+    finally:
+        dynamo_log.removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
