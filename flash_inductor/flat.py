@@ -320,6 +320,22 @@ class Bucket:
         self._received.clear()
         self._expected.clear()
 
+    def keep_zero_views(self):
+        """``zero_grad(set_to_none=False)``, after torch zeroed every ``.grad``: a gradient the step read
+        where it was gives way to its zeroed view of the flat buffer, as a landed one is, which the
+        next backward accumulates into. Kept, it may be a CUDA graph's output, which the graph's next
+        replay overwrites before autograd adds the next gradient to it."""
+        indices = [i for i, p in enumerate(self.params) if p.grad is not None and p.grad is not self.grad_views[i]]
+        if not indices:
+            return
+        held = self.gradients_held()
+        self.hold_gradients()  # zeros, if the buffer had no storage
+        views = [self.grad_views[i] for i in indices]
+        if held:
+            torch._foreach_zero_(views)
+        for index, view in zip(indices, views):
+            self.params[index].grad = view
+
     def land(self, index):
         """Parameter ``index``'s gradient, just accumulated by autograd (its post-accumulate-grad hook),
         made its view of the flat buffer (copied when it is not). The first gradient of a step that
@@ -713,8 +729,11 @@ def step_buckets(optimizers):
 
 def release_gradients(record, set_to_none=True):
     """``zero_grad``: free the flat gradient buffers no ``.grad`` views (``set_to_none``), and
-    discard FP8 gradients (either way: no zero FP8 gradients are kept to step with)."""
+    discard FP8 gradients (either way: no zero FP8 gradients are kept to step with). Zeroed gradients
+    kept (``set_to_none=False``) are the parameters' views of the flat buffer (``keep_zero_views``)."""
     for bucket in record.buckets:
         if bucket.fp8_grads is not None or (set_to_none and all(p.grad is None for p in bucket.params)):
             bucket.release_gradients()
+        elif not set_to_none:
+            bucket.keep_zero_views()
 

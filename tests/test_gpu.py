@@ -321,6 +321,32 @@ def check_backward_leaves_gradients_to_the_kernel(device):
     assert_same_bits(*runs)
 
 
+def check_kept_zero_gradients_are_the_flat_views(device):
+    """``zero_grad(set_to_none=False)`` after steps that read the gradients where autograd left them:
+    each ``.grad`` becomes its zeroed view of the flat buffer (kept, a CUDA graph's output would be
+    overwritten by the graph's next replay before autograd adds the next gradient to it), and three
+    steps store the bits of setting them to None. Also run by Triton's interpreter."""
+    runs = []
+    for set_to_none in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        flash_inductor.prepare(model, opt, min_quantized_numel=1, compile_options={})
+        (bucket,) = roles.PREPARED[opt].buckets
+        assert bucket.reads_gradients_in_place
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(16, 64, generator=generator).to(device, torch.bfloat16)
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+            if not set_to_none:
+                assert [p.grad.data_ptr() for p in model.parameters()] == [v.data_ptr() for v in bucket.grad_views]
+                assert not any(p.grad.any() for p in model.parameters())
+        runs.append(stored_bits(model, opt))
+    assert_same_bits(*runs)
+
+
 def check_report_names_the_gradients_copied(device):
     """The inspection report says, of a bucket the hand-written kernel steps, that it read every gradient
     where it was, or which it copied into the flat buffer and why. Also run by Triton's interpreter."""
@@ -347,6 +373,10 @@ def test_report_names_the_gradients_copied():
 
 def test_backward_leaves_gradients_to_the_kernel():
     check_backward_leaves_gradients_to_the_kernel("cuda")
+
+
+def test_kept_zero_gradients_are_the_flat_views():
+    check_kept_zero_gradients_are_the_flat_views("cuda")
 
 
 @pytest.mark.parametrize("state_format", ["companded", "fp8lm"])
@@ -569,9 +599,10 @@ def test_fp8_gradients_step_matches_fp64_reference_on_inductors_kernel(gradient_
     assert reasons and all("FP8 gradients" in r for r in reasons), reasons
 
 
-def _four_train_steps(**options):
+def _four_train_steps(set_to_none=True, micro_batches=1, **options):
     """(losses, stored bits) of four ``@train_step`` steps of a small model (two linears around an
-    RMSNorm, clipped), compiled afresh with the backend's ``options``."""
+    RMSNorm, clipped; ``micro_batches`` backward passes a step), compiled afresh with the backend's
+    ``options``; ``zero_grad(set_to_none)``."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.RMSNorm(512), nn.Linear(512, 256, bias=False)).cuda()
@@ -579,15 +610,16 @@ def _four_train_steps(**options):
 
     @flash_inductor.train_step(model=model, optimizer=opt, **options)
     def step(x):
-        loss = model(x).float().square().mean()
-        loss.backward()
+        for micro_batch in x.chunk(micro_batches):
+            loss = model(micro_batch).float().square().mean()
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         return loss.detach()
 
     torch.manual_seed(1)
-    losses = [step(torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)).item() for _ in range(4)]
+    losses = [step(torch.randn(128 * micro_batches, 256, device="cuda", dtype=torch.bfloat16)).item() for _ in range(4)]
     return losses, stored_bits(model, opt)
 
 
@@ -606,6 +638,18 @@ def test_cudagraphs_train_step_stores_the_bits_of_the_ordinary_one(fp8):
         if cudagraphs:
             assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
             assert cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False).roots
+    assert runs[0][0] == runs[1][0]
+    assert_same_bits(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("set_to_none, micro_batches", [(False, 1), (True, 2), (False, 2)])
+def test_cudagraphs_train_step_keeping_gradients_or_accumulating_stores_the_bits_without_cudagraphs(
+        set_to_none, micro_batches):
+    """``cudagraphs=True`` with gradients kept zeroed between steps (``zero_grad(set_to_none=False)``)
+    or accumulated over two backward passes a step: the backward's graph returns each gradient in
+    the CUDA graphs' pool, which its next replay overwrites; four steps store the bits of the same
+    steps without CUDA graphs."""
+    runs = [_four_train_steps(set_to_none, micro_batches, cudagraphs=cudagraphs) for cudagraphs in (False, True)]
     assert runs[0][0] == runs[1][0]
     assert_same_bits(runs[0][1], runs[1][1])
 

@@ -21,6 +21,7 @@ from test_gpu import (
     ARITHMETICS,
     check_backward_leaves_gradients_to_the_kernel,
     check_gradients_read_in_place,
+    check_kept_zero_gradients_are_the_flat_views,
     check_kernel_edge_cases,
     check_report_names_the_gradients_copied,
 )
@@ -117,6 +118,10 @@ def test_interpreted_kernel_reads_gradients_where_they_are(state_format, monkeyp
 
 def test_interpreted_kernel_takes_the_gradients_an_eager_backward_leaves():
     check_backward_leaves_gradients_to_the_kernel("cpu")
+
+
+def test_interpreted_kept_zero_gradients_are_the_flat_views():
+    check_kept_zero_gradients_are_the_flat_views("cpu")
 
 
 def test_interpreted_step_reports_the_gradients_it_copied():
