@@ -9,8 +9,11 @@ In one process, for each shape (tokens x in_features -> out_features), these pee
     bf16_cudagraphs, flashoptim_fast_accum_cudagraphs  CUDA-graphed (mode="reduce-overhead";
                 cudagraphs=True), run when named in --peers
     flashoptim_delayed_fast_accum  delayed scaling and fp8_fast_accum=True
+    flashoptim_rowwise, flashoptim_rowwise_fast_accum  fp8="rowwise" (a power-of-two scale per row,
+                every operand e4m3), without and with fp8_fast_accum
     torchao     torchao.float8.convert_to_float8_training (tensorwise) + torch.compile, when
                 torchao is installed (benchmark only; not a project dependency)
+    torchao_rowwise  the same with torchao's "rowwise" recipe
 
 Times are medians of ``triton.testing.do_bench`` over ``y = f(x); y.backward(dy)``; the SQNR of
 the output and of both gradients against the bf16 layer (same inputs) is measured in the same run,
@@ -60,10 +63,13 @@ def inductor(module):
     return torch.compile(module)
 
 
-def torchao_float8(module):
-    from torchao.float8 import convert_to_float8_training
+def torchao_float8(recipe):
+    def convert(module):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    return torch.compile(convert_to_float8_training(module))
+        return torch.compile(convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe)))
+
+    return convert
 
 
 PEERS = {
@@ -74,7 +80,10 @@ PEERS = {
     "flashoptim_fast_accum_cudagraphs": flashoptim(fp8="tensorwise", fp8_fast_accum=True, cudagraphs=True),
     "flashoptim_delayed": flashoptim(fp8="delayed"),
     "flashoptim_delayed_fast_accum": flashoptim(fp8="delayed", fp8_fast_accum=True),
-    "torchao": torchao_float8,
+    "flashoptim_rowwise": flashoptim(fp8="rowwise"),
+    "flashoptim_rowwise_fast_accum": flashoptim(fp8="rowwise", fp8_fast_accum=True),
+    "torchao": torchao_float8("tensorwise"),
+    "torchao_rowwise": torchao_float8("rowwise"),
 }
 
 
@@ -166,7 +175,7 @@ def main():
         torchao_version = torchao.__version__
     except ImportError:
         torchao_version = None
-        peers = [p for p in peers if p != "torchao"]
+        peers = [p for p in peers if not p.startswith("torchao")]
         print("torchao not installed: its rows are skipped")
     info = dict(torch=torch.__version__, torchao=torchao_version, python=platform.python_version(),
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu", date=time.strftime("%Y-%m-%d"))

@@ -24,6 +24,7 @@ Configurations (``--configs``):
                         (its cast_model); CUDA only
     torchao_float8      peer: torchao's convert_to_float8_training (lm_head excluded), fp32
                         masters, fused AdamW, bf16 autocast; off CUDA its emulated GEMMs
+    torchao_float8_rowwise  the same with torchao's "rowwise" recipe (the peer of +rowwise)
 A flashoptim row takes modifiers, backend or ``prepare`` options joined to its name by "+":
     +fp32act            fp32 activations (prepare's fp32_activations=True: embeddings return fp32), the
                         forward under bf16 autocast: the baseline's activation precision
@@ -36,6 +37,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
                         torchao's default for that GEMM
     +delayed            FP8 rows: delayed scaling (fp8="delayed"; scales from amax histories, so a cast needs no
                         pass over its tensor before it)
+    +rowwise            FP8 rows: row-wise scaling (fp8="rowwise"; every GEMM operand e4m3 with a power-of-two
+                        scale per row, torchao's "rowwise" recipe)
     +regional           train_step's regional=True: the decoder layers compiled one by one, the rest eager
                         (with flashoptim_release: each layer's gradients applied and freed as its backward ends)
     +checkpoint         Hugging Face's activation checkpointing (gradient_checkpointing_enable, non-reentrant):
@@ -101,6 +104,7 @@ the raw snapshot ``.pickle`` when it is under 15 MiB (for https://pytorch.org/me
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -308,7 +312,7 @@ def fp8_options(args):
 
 
 def build_flashoptim_fp8(model, args, **options):
-    return build_flashoptim(model, args, **{**fp8_options(args), **options})  # +delayed replaces "tensorwise"
+    return build_flashoptim(model, args, **{**fp8_options(args), **options})  # +delayed, +rowwise replace "tensorwise"
 
 
 def build_flashoptim_fp8_fp32states(model, args, **options):
@@ -341,7 +345,7 @@ def build_flashoptim_pypi(model, args):
     return Setup(model, opt, step, memory=peer_memory), args.clip
 
 
-def build_torchao_float8(model, args):
+def build_torchao_float8(model, args, recipe="tensorwise"):
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
@@ -356,7 +360,7 @@ def build_torchao_float8(model, args):
         raise Skip("no nn.Linear to convert (GPT-2's projections are transformers' Conv1D, which torchao does not convert)")
     # Off CUDA, torchao emulates its FP8 GEMMs (same casts and scales, fp32 matmuls): the CPU comparison of
     # the two FP8 recipes' numerics.
-    config = Float8LinearConfig(emulate=not args.device.startswith("cuda"))
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=not args.device.startswith("cuda"))
     convert_to_float8_training(model, config=config, module_filter_fn=eligible)
     opt = torch.optim.AdamW(model.parameters(), **adamw_args(args), fused=args.device.startswith("cuda"))
     step = make_step(compiled(loss_function(model, True), args), model.parameters(), opt, args.clip)
@@ -372,6 +376,7 @@ CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args
     "flashoptim_release": build_flashoptim_release,
     "flashoptim_pypi": build_flashoptim_pypi,
     "torchao_float8": build_torchao_float8,
+    "torchao_float8_rowwise": functools.partial(build_torchao_float8, recipe="rowwise"),
 }
 
 
@@ -393,6 +398,7 @@ MODIFIERS = {
     "masters32": dict(master_weight_bits=32),
     "fastaccum": dict(fp8_fast_accum=True),
     "delayed": dict(fp8="delayed"),
+    "rowwise": dict(fp8="rowwise"),
     "regional": dict(regional=True),
     "checkpoint": dict(activation_checkpointing=True),
     "eager": dict(compiler="eager"),

@@ -1,9 +1,17 @@
-"""FP8 linear layer (FP8-LM level 1, Transformer Engine's "hybrid" format), current or delayed scaling.
+"""FP8 linear layer (FP8-LM level 1, Transformer Engine's "hybrid" format), current or delayed scaling,
+or row-wise scaling.
 
     forward:   y  = x @ w.T + b       x, w in e4m3 with per-tensor scales, output bf16
     backward:  dx = dy @ w            dy in e5m2, w in e4m3
                dw = dy.T @ x          dy in e5m2, x in e4m3
                db = dy.sum(0)
+
+Row-wise scaling (``rowwise=True``, torchao's "rowwise" recipe; ``Fp8RowwiseLinearFunction``): every
+operand of every GEMM in e4m3 with one power-of-two scale per row along the dimension that GEMM sums
+over, so each tensor is cast twice, once per direction it is summed in: x and w along k for y, w
+along n for dx (saved as ``w.T`` cast by rows), dy along n for dx and along the tokens for dw, x
+along the tokens for dw (saved as ``x.T`` cast by rows). The saved bytes are tensorwise's (x and w
+in e4m3); the forward casts twice as much.
 
 Current scaling casts every operand with ``scale = fp8_max / amax`` of its current value
 (``formats.fp8``). Delayed scaling takes the scale from an amax history instead and records the
@@ -87,8 +95,16 @@ def _quantize(t, dtype, power_of_two, history=None, scales=None, row=None):
     return fp8.cast_to_fp8(t, scale, dtype), scale.reciprocal()
 
 
+def _quantize_rows(t):
+    """``(t in e4m3, row-major, with one power-of-two scale per row; the inverse scales (rows, 1))``:
+    row-wise scaling (``formats.fp8.row_amax``)."""
+    scale = fp8.scale_from_amax(fp8.row_amax(t), fp8.E4M3, power_of_two=True)
+    return fp8.cast_to_fp8(t, scale, fp8.E4M3).contiguous(), scale.reciprocal()
+
+
 def _scaled_mm(a, a_inv_scale, b_t, b_inv_scale, fast_accum=False):
-    """``a @ b_t`` in bf16 (fp32 accumulation unless ``fast_accum``); ``b_t`` is column-major.
+    """``a @ b_t`` in bf16 (fp32 accumulation unless ``fast_accum``); ``b_t`` is column-major. The
+    inverse scales are one each (per-tensor) or a column ``(M, 1)`` and a row ``(1, N)`` (row-wise).
 
     On the CPU the fp8 operands are multiplied as fp32 matrices: their products are exact in fp32
     and the sum accumulates in fp32, as DESIGN §2.4 asks, while torch's CPU ``_scaled_mm`` has no
@@ -113,14 +129,40 @@ def _output_dtype(x, weight):
     return torch.promote_types(x.dtype, weight.dtype)
 
 
+def _padded_input(ctx, x, weight):
+    """``(x as a 2-D matrix padded to the weight's padded in-dim, n, pn, pk)``, with what the backward
+    needs of the shapes and dtypes kept on ``ctx``. Zero padding (``padded_shape``) changes no amax, no
+    product and no sum; the results are cut back."""
+    n, k = weight.shape
+    pn, pk = padded_shape(n, k)
+    x2 = x.reshape(-1, k)
+    ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
+    return _pad_to(x2, x2.shape[0], pk), n, pn, pk
+
+
+def _output(out, bias, n, pn, x, weight):
+    """The forward GEMM's ``out`` cut back to ``n`` columns, with the bias, in ``F.linear``'s dtype:
+    2-D and not a view (the caller reshapes), as callers write a linear's output in place
+    (``mlp_out += attn_out``), which autograd forbids on a view made inside a Function."""
+    if bias is not None:
+        out = out[:, :n] + bias
+    elif pn != n:
+        out = out[:, :n].contiguous()
+    return out.to(_output_dtype(x, weight))
+
+
+def _gradients(ctx, grad_x, grad_w, g2, bias_dtype):
+    """The backward's ``(dx, dw, db)`` cut back to the unpadded shapes, in the inputs' dtypes."""
+    n, k = g2.shape[1], ctx.input_shape[-1]
+    grad_b = None if bias_dtype is None else g2.sum(0, dtype=torch.float32).to(bias_dtype)
+    return grad_x[:, :k].reshape(ctx.input_shape).to(ctx.input_dtype), grad_w[:n, :k].to(ctx.weight_dtype), grad_b
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, power_of_two, fast_accum, amax_history, scale, grad_amax_history, grad_scale):
-        # Zero padding (padded_shape) changes no amax, no product and no sum; the results are cut back.
-        n, k = weight.shape
-        pn, pk = padded_shape(n, k)
-        x2 = x.reshape(-1, k)
-        x_fp8, x_inv = _quantize(_pad_to(x2, x2.shape[0], pk), fp8.E4M3, power_of_two, amax_history, scale, 0)
+        xp, n, pn, pk = _padded_input(ctx, x, weight)
+        x_fp8, x_inv = _quantize(xp, fp8.E4M3, power_of_two, amax_history, scale, 0)
         if isinstance(weight, Fp8Weight):  # gathered in e4m3 (fp8_all_gather): cast already
             w_fp8, w_inv = _pad_to(weight.qdata.view(torch.uint8), pn, pk).view(fp8.E4M3), weight.scale.reciprocal()
         else:
@@ -130,17 +172,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         # a later forward (the next micro-batch) modified in place.
         ctx.grad_state = (grad_amax_history, grad_scale)
         ctx.power_of_two = power_of_two
-        ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         # Column-major already for an (out, in) weight (no copy); a transposed (in, out) one is copied.
         out = _scaled_mm(x_fp8, x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)
-        # 2-D and not a view (the caller reshapes): callers write a linear's output in place
-        # (``mlp_out += attn_out``), which autograd forbids on a view made inside a Function.
-        if bias is not None:
-            out = out[:, :n] + bias
-        elif pn != n:
-            out = out[:, :n].contiguous()
-        return out.to(_output_dtype(x, weight))
+        return _output(out, bias, n, pn, x, weight)
 
     @staticmethod
     # Only eager runs (compiler="eager") call this; AOTAutograd traces it without Dynamo. Dynamo
@@ -150,17 +185,43 @@ class Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_fp8, x_inv, w_fp8, w_inv = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        n, k = g2.shape[1], ctx.input_shape[-1]
         g_fp8, g_inv = _quantize(_pad_to(g2, g2.shape[0], w_fp8.shape[0]), fp8.E5M2, ctx.power_of_two, *ctx.grad_state, 0)
-        grad_x = _scaled_mm(g_fp8, g_inv, _col_major(w_fp8), w_inv)[:, :k].reshape(ctx.input_shape)
+        grad_x = _scaled_mm(g_fp8, g_inv, _col_major(w_fp8), w_inv)
         # Both transposed copies in kernels of their own (fp8_transpose: fused into a norm's backward they were slow).
-        grad_w = _scaled_mm(transpose_fp8(g_fp8), g_inv, transpose_fp8(x_fp8).t(), x_inv)[:n, :k]
-        grad_b = None if ctx.bias_dtype is None else g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return grad_x.to(ctx.input_dtype), grad_w.to(ctx.weight_dtype), grad_b, None, None, None, None, None, None
+        grad_w = _scaled_mm(transpose_fp8(g_fp8), g_inv, transpose_fp8(x_fp8).t(), x_inv)
+        return *_gradients(ctx, grad_x, grad_w, g2, ctx.bias_dtype), None, None, None, None, None, None
 
 
-def fp8_linear(x, weight, bias=None, *, power_of_two=False, fast_accum=False, amax_history=None, scale=None,
-               grad_amax_history=None, grad_scale=None):
+class Fp8RowwiseLinearFunction(torch.autograd.Function):
+    """Row-wise scaling (module docstring): each GEMM's operands cast by rows along the dimension it sums."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fast_accum):
+        xp, n, pn, pk = _padded_input(ctx, x, weight)
+        wp = _pad_to(weight, pn, pk)
+        x_fp8, x_inv = _quantize_rows(xp)
+        w_fp8, w_inv = _quantize_rows(wp)
+        # What the backward's GEMMs take: w summed over n (dx), x summed over the tokens (dw).
+        ctx.save_for_backward(*_quantize_rows(wp.t()), *_quantize_rows(xp.t()))
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        out = _scaled_mm(x_fp8, x_inv, w_fp8.t(), w_inv.t(), fast_accum)
+        return _output(out, bias, n, pn, x, weight)
+
+    @staticmethod
+    @torch.compiler.disable  # as Fp8LinearFunction.backward
+    def backward(ctx, grad_out):
+        wt_fp8, wt_inv, xt_fp8, xt_inv = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        gp = _pad_to(g2, g2.shape[0], wt_fp8.shape[1])
+        g_fp8, g_inv = _quantize_rows(gp)
+        gt_fp8, gt_inv = _quantize_rows(gp.t())
+        grad_x = _scaled_mm(g_fp8, g_inv, wt_fp8.t(), wt_inv.t())
+        grad_w = _scaled_mm(gt_fp8, gt_inv, xt_fp8.t(), xt_inv.t())
+        return *_gradients(ctx, grad_x, grad_w, g2, ctx.bias_dtype), None
+
+
+def fp8_linear(x, weight, bias=None, *, rowwise=False, power_of_two=False, fast_accum=False, amax_history=None,
+               scale=None, grad_amax_history=None, grad_scale=None):
     """``F.linear(x, weight, bias)`` with FP8 GEMMs in forward and backward.
 
     Current scaling by default. Delayed scaling with the layer's state (``fp8_delayed``):
@@ -168,7 +229,13 @@ def fp8_linear(x, weight, bias=None, *, power_of_two=False, fast_accum=False, am
     [1, L] and ``grad_scale`` [1] for the grad-output, all fp32 and updated in place.
     ``power_of_two``: scales rounded down to powers of two. ``fast_accum``: the forward GEMM in the
     tensor cores' fast (lower-precision) accumulation mode, as torchao's default output GEMM.
+    ``rowwise``: row-wise scaling (current, power-of-two scales; not with delayed scaling's state).
     """
-    out = Fp8LinearFunction.apply(x, weight, bias, power_of_two, fast_accum, amax_history, scale, grad_amax_history,
-                                  grad_scale)
+    if rowwise:
+        if amax_history is not None:
+            raise ValueError("fp8_linear: rowwise scaling is current scaling; it takes no delayed-scaling state")
+        out = Fp8RowwiseLinearFunction.apply(x, weight, bias, fast_accum)
+    else:
+        out = Fp8LinearFunction.apply(x, weight, bias, power_of_two, fast_accum, amax_history, scale,
+                                      grad_amax_history, grad_scale)
     return out.reshape(*x.shape[:-1], weight.shape[0])

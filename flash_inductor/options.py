@@ -34,10 +34,12 @@ class Options:
     compiler: "inductor", or "eager" to run the rewritten graphs without Inductor (debugging:
         same rewrites, no kernels).
     fp8: None, or run eligible linear layers as FP8 GEMMs (``passes/fp8_linear.py``) with
-        "tensorwise" (current) scaling or "delayed" scaling from amax histories kept in buffers of
-        the layers (``flash_inductor.prepare_fp8`` makes them).
+        "tensorwise" (current) scaling, "delayed" scaling from amax histories kept in buffers of
+        the layers (``flash_inductor.prepare_fp8`` makes them), or "rowwise" (current) scaling: one
+        power-of-two scale per row of each GEMM operand along the dimension it sums over, every
+        operand in e4m3 (torchao's "rowwise" recipe; ``flash_inductor/fp8_linear.py``).
     fp8_history_length: amax history window of delayed scaling (positive int).
-    fp8_power_of_two_scales: round FP8 scales down to powers of two (MS-AMP).
+    fp8_power_of_two_scales: round FP8 scales down to powers of two (MS-AMP); row-wise scales always are.
     fp8_fast_accum: the forward GEMM accumulates in the tensor cores' faster, lower-precision mode
         (``_scaled_mm(use_fast_accum=True)``, torchao's default for the output GEMM); the gradient
         GEMMs always accumulate in fp32.
@@ -112,12 +114,13 @@ class Options:
                 "flashoptim: option 'inductor' cannot turn emulate_precision_casts off: the rewritten optimizer "
                 "step rounds to bf16/fp16 inside fused kernels, and without it every error term would stay 0"
             )
-        fp8 = _choice(options, "fp8", (None, "tensorwise", "delayed"), cls.fp8)
+        fp8 = _choice(options, "fp8", (None, "tensorwise", "delayed", "rowwise"), cls.fp8)
         fp8_all_gather = _flag(options, "fp8_all_gather")
         if fp8_all_gather and fp8 != "tensorwise":
             raise ValueError(
                 f"flashoptim: option 'fp8_all_gather' needs fp8='tensorwise', got fp8={fp8!r}"
-                + (" (delayed scaling is not supported with fp8 all-gather)" if fp8 == "delayed" else "")
+                + {"delayed": " (delayed scaling is not supported with fp8 all-gather)",
+                   "rowwise": " (an all-gathered weight has one scale, a row-wise GEMM one per row)"}.get(fp8, "")
             )
         return cls(
             disable=disable,

@@ -17,7 +17,8 @@ After::
 
 ``fp8_linear`` is an autograd function of plain ops (e4m3 forward, e5m2 gradients, per-tensor
 scaling: ``flash_inductor/fp8_linear.py``); AOTAutograd traces its backward and Inductor fuses the
-amax and cast ops into their neighbours.
+amax and cast ops into their neighbours. With ``fp8="rowwise"`` each call takes ``rowwise=True``
+(every operand e4m3, one scale per row).
 
 With ``fp8="delayed"`` the layer's delayed-scaling buffers (``flash_inductor/fp8_delayed.py``)
 become inputs of the graph, bound once per weight::
@@ -335,7 +336,8 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
             fp8_delayed.warn_missing_state(name)
             reason = "no delayed-scaling state (flash_inductor.prepare_fp8 makes it)"
         if ctx.recorder:
-            fp8_decision = "fp8 e4m3/e5m2" + (", delayed scaling" if ctx.options.fp8 == "delayed" else "")
+            fp8_decision = {"delayed": "fp8 e4m3/e5m2, delayed scaling", "rowwise": "fp8 e4m3, row-wise scales"}.get(
+                ctx.options.fp8, "fp8 e4m3/e5m2")
             if reason is None:
                 fp8_decision += _padding_note(weight, layout)
             decision = fp8_decision if reason is None else f"bf16: {reason}"
@@ -369,7 +371,7 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
 def _rewrite(gm, graph, node, ctx, bound):
     """Replace the linear ``node`` of ``graph`` (``gm``'s or a checkpointed region's) by ``fp8_linear``."""
     x, weight, bias, layout = as_linear(node)
-    kwargs = {"power_of_two": ctx.options.fp8_power_of_two_scales}
+    kwargs = {"rowwise": True} if ctx.options.fp8 == "rowwise" else {"power_of_two": ctx.options.fp8_power_of_two_scales}
     if ctx.options.fp8_fast_accum:
         kwargs["fast_accum"] = True
     if ctx.options.fp8 == "delayed":  # never in a region's body (fp8_linear_pass)

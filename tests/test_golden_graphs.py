@@ -273,6 +273,20 @@ class GraphModule(torch.nn.Module):
         fp8_linear: "f32[4, 16]cpu" = flash_inductor_fp8_linear_fp8_linear(l_args_0_, l_fn_parameters_weight_, None, power_of_two = False, amax_history = weight_fp8_amax_history, scale = weight_fp8_scale, grad_amax_history = weight_fp8_grad_amax_history, grad_scale = weight_fp8_grad_scale);  l_args_0_ = l_fn_parameters_weight_ = weight_fp8_amax_history = weight_fp8_scale = weight_fp8_grad_amax_history = weight_fp8_grad_scale = None
         return (fp8_linear,)""")
 
+    def test_fp8_linear_with_rowwise_scales(self):
+        """``fp8="rowwise"``: the call says so, and takes no per-tensor scaling options."""
+        options = {"compiler": "eager", "fp8": "rowwise", "fp8_min_weight_numel": 0}
+        report = flash_inductor.inspect(flash_inductor.compile(nn.Linear(32, 16), **options), torch.randn(4, 32))
+        code = next(s.code for s in report.graph("model").stages if s.name == "fp8_linear")
+        self.assertExpectedInline(without_comments(code), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_fn_parameters_weight_: "f32[16, 32]cpu", L_fn_parameters_bias_: "f32[16]cpu", L_args_0_: "f32[4, 32]cpu"):
+        l_fn_parameters_weight_ = L_fn_parameters_weight_
+        l_fn_parameters_bias_ = L_fn_parameters_bias_
+        l_args_0_ = L_args_0_
+        fp8_linear: "f32[4, 16]cpu" = flash_inductor_fp8_linear_fp8_linear(l_args_0_, l_fn_parameters_weight_, l_fn_parameters_bias_, rowwise = True);  l_args_0_ = l_fn_parameters_weight_ = l_fn_parameters_bias_ = None
+        return (fp8_linear,)""")
+
     def test_fp8_linear_in_an_activation_checkpointed_region(self):
         """A linear inside ``torch.utils.checkpoint`` is rewritten in the region's body, its weight being
         an operand of the region."""

@@ -589,6 +589,42 @@ def test_fp8_linears_in_a_checkpointed_region_run_scaled_mm_in_forward_and_recom
         assert sqnr_db(p_ref.grad.float(), p.grad.float()) >= 20, name
 
 
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_rowwise_fp8_linear_compiled_for_cuda_matches_the_fp64_reference(fast_accum):
+    """``fp8="rowwise"`` through Inductor on CUDA: three row-wise ``_scaled_mm`` a linear (forward,
+    input and weight gradients), each within bf16 rounding of the recipe's fp64 reference
+    (tests/test_fp8_rowwise.py), the forward's with fast accumulation given a looser fp32 error."""
+    from test_fp8_rowwise import assert_within_bf16, reference_gemm, reference_rows
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    layer = nn.Linear(512, 1024, bias=False).cuda().bfloat16()
+    x = (torch.randn(256, 512, device="cuda") * torch.logspace(-2, 2, 256, device="cuda")[:, None]).bfloat16()
+    x.requires_grad_()
+    g = torch.randn(256, 1024, device="cuda").bfloat16()
+    compiled = flash_inductor.compile(layer, fp8="rowwise", fp8_fast_accum=fast_accum, **EVERY_LINEAR)
+    outputs = []
+
+    def forward_backward():
+        outputs.append(compiled(x))
+        outputs[0].backward(g)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PassFailed)
+        _, codes = run_and_get_code(forward_backward)
+    assert [code.count("extern_kernels._scaled_mm(") for code in codes] == [1, 2]
+    y = outputs[0]
+    w, xd = layer.weight.detach().cpu(), x.detach().cpu()
+    gc = g.cpu()
+    forward_error = 2.0**-12 if fast_accum else 2.0**-20  # fast accumulation: fewer bits in the partial sums
+    product = reference_gemm(xd, w.t())
+    assert_within_bf16(y.detach().cpu(), product,
+                       forward_error / 2.0**-20 * (reference_rows(xd).abs() @ reference_rows(w).abs().t()))
+    assert_within_bf16(x.grad.cpu(), reference_gemm(gc, w), reference_rows(gc).abs() @ reference_rows(w.t()).abs().t())
+    assert_within_bf16(layer.weight.grad.cpu(), reference_gemm(gc.t(), xd),
+                       reference_rows(gc.t()).abs() @ reference_rows(xd.t()).abs().t())
+
+
 @pytest.mark.parametrize("gradient_format", ["e5m2", "e4m3"])
 def test_fp8_gradients_step_matches_fp64_reference_on_inductors_kernel(gradient_format):
     """FP8 gradients on CUDA: the buckets go to Inductor's Triton kernel (which fuses the decode; the
@@ -623,7 +659,7 @@ def _four_train_steps(set_to_none=True, micro_batches=1, **options):
     return losses, stored_bits(model, opt)
 
 
-@pytest.mark.parametrize("fp8", [None, "tensorwise"])
+@pytest.mark.parametrize("fp8", [None, "tensorwise", "rowwise"])
 def test_cudagraphs_train_step_stores_the_bits_of_the_ordinary_one(fp8):
     """``cudagraphs=True``: the forward and backward replay as CUDA graphs (none skipped), while the
     clipping and the step run as before, and four steps store exactly what the same steps store

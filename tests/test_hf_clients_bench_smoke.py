@@ -274,12 +274,15 @@ def test_attention_option_decides_whether_compiled_sdpa_gets_a_mask(bench, fresh
 def test_configuration_modifiers_are_backend_options_of_the_flashoptim_rows(bench, monkeypatch):
     builder, options = bench.parse_configuration("flashoptim_fp8+cudagraphs")
     assert builder is bench.build_flashoptim_fp8 and options == {"cudagraphs": True}
-    # +delayed replaces the FP8 rows' tensorwise scaling, keeping their exclusions
+    # +delayed and +rowwise replace the FP8 rows' tensorwise scaling, keeping their exclusions
     built = {}
     monkeypatch.setattr(bench, "build_flashoptim", lambda model, args, **kw: built.update(kw))
     builder, options = bench.parse_configuration("flashoptim_fp8+delayed")
     builder(None, types.SimpleNamespace(model="llama", size="full", fp8_exclude=()), **options)
     assert built == {"fp8": "delayed", "fp8_exclude": bench.FP8_EXCLUDE["llama"]}
+    builder, options = bench.parse_configuration("flashoptim_fp8+rowwise")
+    builder(None, types.SimpleNamespace(model="llama", size="full", fp8_exclude=()), **options)
+    assert built == {"fp8": "rowwise", "fp8_exclude": bench.FP8_EXCLUDE["llama"]}
     builder, options = bench.parse_configuration("flashoptim_fp8+fastaccum+fp32states")
     assert builder is bench.build_flashoptim_fp8 and options == {"fp8_fast_accum": True, "state_bits": None}
     builder, options = bench.parse_configuration("baseline+foreach")

@@ -172,7 +172,7 @@ def test_mode_reduce_overhead_is_the_cudagraphs_option(monkeypatch):
     ("inductor", {1: True}, "dict"),
     ("dump", 3, "folder path"),
     ("compiler", "x", "'inductor' or 'eager'"),
-    ("fp8", "x", "None, 'tensorwise' or 'delayed'"),
+    ("fp8", "x", "None, 'tensorwise', 'delayed' or 'rowwise'"),
     ("fp8_filter", 3, "callable"),
     ("fp8_fast_accum", 1, "True or False"),
     ("step_kernel", "cuda", "'triton' or 'inductor'"),

@@ -26,6 +26,13 @@ scale is exact, so the cast rounds only once, and dequantization is exact. Round
 ``amax * scale <= fp8_max`` except when the fp32 division itself rounded up onto a power of two (then the
 excess is below 2**-24 relative and the clamp absorbs it).
 
+Row-wise scaling (torchao's "rowwise" recipe): one scale per row of a 2-D GEMM operand, the row
+being along the dimension the GEMM sums over, so an outlier spoils the precision of its row only:
+
+    amax  = max_j |x[i, j]|               per row i, an fp32 column (rows, 1)  (``row_amax``)
+    scale = fp8_max / max(amax, 1e-12)    elementwise, as above; ``_scaled_mm`` takes the inverses as
+                                          scale_a (M, 1) and scale_b (1, N)
+
 Delayed scaling (Transformer Engine's recipe, window ``HISTORY_LENGTH = 16``): the scale used to cast
 step t's tensor comes from the amaxes of the previous steps, and step t's amax is recorded afterwards:
 
@@ -85,6 +92,11 @@ def amax(x):
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return x.abs().amax().to(torch.float32)
+
+
+def row_amax(x):
+    """``max |x|`` of each row of the 2-D ``x``, an fp32 column ``(rows, 1)`` (exact; nan in a row with a nan)."""
+    return x.abs().amax(dim=1, keepdim=True).to(torch.float32)
 
 
 def round_down_to_power_of_two(scale):
