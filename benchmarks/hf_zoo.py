@@ -11,7 +11,8 @@ Rows: ``stock`` (fp32 parameters, torch's AdamW, fused on CUDA, with bf16 autoca
 8-bit states) and ``flashoptim_fp8`` (the same with ``fp8="tensorwise"``; every eligible linear at
 ``--size tiny``). Run when named: ``flashoptim_fp8+every`` (every eligible linear, whatever its size),
 ``flashoptim+cudagraphs`` and ``flashoptim_fp8+cudagraphs`` (``cudagraphs=True``), ``flashoptim+recompute``
-and ``flashoptim_fp8+recompute`` (``recompute_elementwise=True``). Every row trains on
+and ``flashoptim_fp8+recompute`` (``recompute_elementwise=True``), ``flashoptim_fp8+rowwise`` (``fp8="rowwise"``).
+Every row trains on
 one fixed batch of random tokens (the loss falls as the model memorizes it), dropout off, so the
 rows' losses are comparable step by step.
 
@@ -91,7 +92,7 @@ ARCHITECTURES = {
         d_kv=d["hidden"] // d["heads"], decoder_start_token_id=0, pad_token_id=0)),
 }
 ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs",
-        "flashoptim+recompute", "flashoptim_fp8+recompute")
+        "flashoptim+recompute", "flashoptim_fp8+recompute", "flashoptim_fp8+rowwise")
 DEFAULT_ROWS = ROWS[:3]
 # A train step's own graph breaks: at loss.backward(), and where the prepared optimizer's step runs.
 OWN_BREAKS = ("Tensor.backward()", "torch.compiler.disable()")
@@ -143,6 +144,8 @@ def make_step(row, model, args):
         options["cudagraphs"] = True
     if "recompute" in flags:
         options["recompute_elementwise"] = True
+    if "rowwise" in flags:
+        options["fp8"] = "rowwise"
     if args.compiler == "eager":
         options["compiler"] = "eager"
     return flash_inductor.train_step(step, model=model, optimizer=opt, **options), opt

@@ -294,6 +294,18 @@ def check_gradients_read_in_place(device, state_format, monkeypatch):
             o.zero_grad()
 
 
+def _mlp_the_kernel_steps(device):
+    """(model, optimizer, its one bucket) of a small MLP prepared so that the hand-written kernel steps
+    every tensor and reads the gradients where autograd leaves them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    flash_inductor.prepare(model, opt, min_quantized_numel=1, compile_options={})
+    (bucket,) = roles.PREPARED[opt].buckets
+    assert bucket.reads_gradients_in_place
+    return model, opt, bucket
+
+
 def check_backward_leaves_gradients_to_the_kernel(device):
     """With an eager backward the hooks of a bucket the hand-written kernel steps
     (``Bucket.reads_gradients_in_place``) leave each gradient as autograd made it: after backward the
@@ -302,12 +314,7 @@ def check_backward_leaves_gradients_to_the_kernel(device):
     interpreter (tests/test_triton_interpreter.py)."""
     runs = []
     for hooks_land in (False, True):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        flash_inductor.prepare(model, opt, min_quantized_numel=1, compile_options={})
-        (bucket,) = roles.PREPARED[opt].buckets
-        assert bucket.reads_gradients_in_place
+        model, opt, bucket = _mlp_the_kernel_steps(device)
         bucket.reads_gradients_in_place = not hooks_land
         generator = torch.Generator().manual_seed(1)
         for _ in range(3):
@@ -328,12 +335,7 @@ def check_kept_zero_gradients_are_the_flat_views(device):
     steps store the bits of setting them to None. Also run by Triton's interpreter."""
     runs = []
     for set_to_none in (True, False):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        flash_inductor.prepare(model, opt, min_quantized_numel=1, compile_options={})
-        (bucket,) = roles.PREPARED[opt].buckets
-        assert bucket.reads_gradients_in_place
+        model, opt, bucket = _mlp_the_kernel_steps(device)
         generator = torch.Generator().manual_seed(1)
         for _ in range(3):
             x = torch.randn(16, 64, generator=generator).to(device, torch.bfloat16)

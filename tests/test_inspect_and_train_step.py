@@ -12,13 +12,10 @@ import torch.nn.functional as F
 import flash_inductor
 
 
-@pytest.fixture(scope="module")
-def inspected():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+def mse_train_step(model, opt, **options):
+    """``@train_step`` of an MSE loss's forward, backward, step and ``zero_grad``."""
 
-    @flash_inductor.train_step(model=model, optimizer=opt, min_quantized_numel=1024)
+    @flash_inductor.train_step(model=model, optimizer=opt, **options)
     def step(x, y):
         loss = F.mse_loss(model(x).float(), y)
         loss.backward()
@@ -26,6 +23,16 @@ def inspected():
         opt.zero_grad()
         return loss
 
+    return step
+
+
+@pytest.fixture(scope="module")
+def inspected():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    step = mse_train_step(model, opt, min_quantized_numel=1024)
     x, y = torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(32, 8)
     report = flash_inductor.inspect(step, x, y)
     losses = [step(x, y).item() for _ in range(5)]
@@ -146,16 +153,7 @@ def test_a_compiled_train_step_logs_no_warning_about_the_optimizer_steps_wrapper
     ``record_function``."""
     torch.manual_seed(0)
     model = nn.Linear(64, 8)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    @flash_inductor.train_step(model=model, optimizer=opt, compiler="eager")
-    def step(x, y):
-        loss = F.mse_loss(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = mse_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), compiler="eager")
     records = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
