@@ -121,9 +121,9 @@
 #              scaling, fast accumulation), plain and CUDA-graphed, at the sizes of hidden 1024-2048 models (SHAPES)
 #   inplace    issue 14: the hand-written step reads each gradient where the backward left it (no flat gradient
 #              buffer under @train_step), by PART: tests (every GPU test of the companded and FP8-LM steps and of
-#              gradient release, then optimizer_step.py on the 1.2B GPT's tensors: the kernel's time with its
-#              gradient addresses), batch1 (the Llama at one sequence, where @train_step peaked at the step: read in
-#              place against copied, +copygrads), speed (the Llama, is_causal, 40 steps, 20 back to back, profiled:
+#              gradient release, tests/test_gpu.py's FP8 and CUDA graphs' ones among them), batch1 (optimizer_step.py
+#              on the 1.2B GPT's tensors: the kernel's time with its gradient addresses; then the Llama at one
+#              sequence, where @train_step peaked at the step: read in place against copied, +copygrads), speed (the Llama, is_causal, 40 steps, 20 back to back, profiled:
 #              the baseline against FP8 + fast accumulation + cudagraphs, read in place and copied: speed and the
 #              reserved footprint of CUDA graphs), recompute (the Llama, is_causal, 40 steps: flashoptim and FP8 +
 #              fast accumulation + cudagraphs, each with and without recompute_elementwise: peak memory, speed)
@@ -550,10 +550,10 @@ case $stage in
   inplace)
     case ${PART:-tests} in
       tests)
-        companded_gpu_tests gpu_tests_inplace_h200 450
-        tail -4 "$out/gpu_tests_inplace_h200.log"
-        logged optimizer_step_inplace_h200 120 optimizer_step.py --lists gpt_1b --configs flashoptim,flashoptim_fp8lmstates ;;
+        companded_gpu_tests gpu_tests_inplace_h200 570
+        tail -4 "$out/gpu_tests_inplace_h200.log" ;;
       batch1)
+        logged optimizer_step_inplace_h200 120 optimizer_step.py --lists gpt_1b --configs flashoptim,flashoptim_fp8lmstates
         logged hf_clients_llama_inplace_batch1_h200 240 hf_clients.py --model llama --attention is_causal --batch 1 \
           --seq 1024 --clip 0 --configs flashoptim,flashoptim+copygrads --steps 8 --warmup 3 --log-every 4 ;;
       speed)
