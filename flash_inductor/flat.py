@@ -717,7 +717,8 @@ def collect_gradients(record, gradient_reader=None):
 
 
 def step_buckets(optimizers):
-    """The stock step of each bucket optimizer: what Dynamo compiles (flash_inductor/steps.py).
+    """The stock step of each bucket optimizer: what Dynamo compiles (flash_inductor/steps.py; also
+    gradient release's per-parameter steps and FSDP2's local optimizer, one optimizer each).
 
     The class's own update, without the wrappers ``torch.optim`` puts around ``step`` (hooks,
     profiling, grad mode): a bucket optimizer has no hooks, and the wrappers end in graph breaks

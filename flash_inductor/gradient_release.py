@@ -46,7 +46,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from flash_inductor import checks, roles, sharded
+from flash_inductor import checks, flat, roles, sharded
 from flash_inductor.backend import compile as compile_with_backend
 from flash_inductor.formats.state_tensor import StateTensor
 from flash_inductor.steps import evaluate_closure, run_compiled_step
@@ -98,7 +98,9 @@ class SingleParameterStep:
             buckets=[],
             internal=True,
         )
-        self.compiled = compile_with_backend(self.optimizer.step, **compile_options)
+        # The class's own update, without torch's wrappers (flat.step_buckets): their graph breaks and profiler
+        # record_function, which Dynamo logs a warning for, are nothing to a step no user hooks.
+        self.compiled = compile_with_backend(flat.step_buckets, **compile_options)
 
     def point_at(self, group, param, error, state, grad):
         """Make the windows views of ``param``'s tensors, with the hyperparameters ``group`` holds
@@ -223,7 +225,7 @@ class GradientRelease:
         param.grad = None
         step.point_at(group, target, error, state, grad)
         try:
-            run_compiled_step(step.compiled, step.optimizer)
+            run_compiled_step(step.compiled, step.optimizer, [step.optimizer])
         finally:
             step.release()
         # The step wrote through the windows: autograd's check that a saved tensor was not modified

@@ -1,7 +1,7 @@
 """Hooks ``prepare`` installs on the model's modules.
 
 - Modules kept in fp32 (normalization layers, ``keep_fp32``) get their bf16/fp16 inputs cast to
-  fp32 and their output cast back.
+  fp32 and their output cast back (``Fp32Forward``, their ``forward``).
 - Modules with split-weight parameters split weights loaded by ``module.load_state_dict`` into
   (bf16, error term): fp32 values become their exact 24-bit split, bf16/fp16 values reset the
   error term to zero, except right after the optimizer's ``load_state_dict`` restored it (a resume
@@ -11,7 +11,7 @@
 - With ``prepare(..., fp32_activations=True)``, embeddings return fp32 outputs, and refuse to run
   without autocast.
 
-They are module-level functions, so a prepared model pickles (``torch.save(model)``).
+They are module-level functions and classes, so a prepared model pickles (``torch.save(model)``).
 """
 
 import torch
@@ -20,7 +20,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from flash_inductor import roles, sharded
 from flash_inductor.formats import split_weights
 
-_INPUT_DTYPE = "_flashoptim_input_dtype"
 _LOADS_SPLIT_WEIGHTS = "_flashoptim_loads_split_weights"
 _LOADED = "_flashoptim_loaded_split_weights"  # between the two load hooks
 _FP32_ACTIVATIONS = "_flashoptim_fp32_activations"  # the module's name in the prepared model
@@ -30,21 +29,27 @@ def _to_fp32(t):
     return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t
 
 
-def cast_inputs_to_fp32(module, args, kwargs):
-    setattr(module, _INPUT_DTYPE, next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None))
-    return tuple(_to_fp32(a) for a in args), kwargs
+class Fp32Forward:
+    """The ``forward`` of a module kept in fp32, set on the instance in place of its class's: bf16/fp16
+    inputs cast to fp32, the output cast back to the first floating input's dtype. Nothing is kept
+    on the module between the two casts: a pre-hook that kept the input's dtype there for a forward
+    hook was a side effect Dynamo cannot trace inside a ``torch.utils.checkpoint`` region, and the
+    whole model fell back to eager (Hugging Face's gradient checkpointing)."""
 
+    def __init__(self, module):
+        self.module = module
 
-def cast_output_back(module, args, kwargs, output):
-    dtype = getattr(module, _INPUT_DTYPE)
-    if isinstance(output, torch.Tensor) and dtype in (torch.bfloat16, torch.float16):
-        return output.to(dtype)
-    return output
+    def __call__(self, *args, **kwargs):
+        dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        output = type(self.module).forward(self.module, *(_to_fp32(a) for a in args), **kwargs)
+        if isinstance(output, torch.Tensor) and dtype in (torch.bfloat16, torch.float16):
+            return output.to(dtype)
+        return output
 
 
 def keep_fp32_with_io_casts(module):
-    module.register_forward_pre_hook(cast_inputs_to_fp32, with_kwargs=True)
-    module.register_forward_hook(cast_output_back, with_kwargs=True)
+    if not isinstance(module.__dict__.get("forward"), Fp32Forward):
+        module.forward = Fp32Forward(module)
 
 
 def embedding_output_to_fp32(module, args, output):

@@ -76,13 +76,13 @@ def route_step_per_parameter(optimizer, compile_options):
     """Replace ``optimizer.step`` by the stock step over its parameters (unrolled per parameter),
     through the ``flashoptim`` backend. The step of the local optimizer of FSDP2 shards, whose
     local tensors FSDP2 owns and may replace; called from ``sharded_step``'s step, never traced."""
-    compiled = compile_with_backend(optimizer.step, **compile_options)
+    compiled = compile_with_backend(flat.step_buckets, **compile_options)  # the class's update, unwrapped
 
     def step(self, closure=None):
         loss = evaluate_closure(closure)
         checks.check_before_step(self)
         module_hooks.forget_loaded_error_terms(prepared(self).params())
-        run_compiled_step(compiled, self)
+        run_compiled_step(compiled, self, [self])
         return loss
 
     optimizer.step = types.MethodType(step, optimizer)

@@ -147,13 +147,16 @@ def test_report_names_each_graph_break_with_its_reason_and_location():
     assert f"==== graph break at {branch.location}\n{branch.reason}" in text
 
 
-def test_a_compiled_train_step_logs_no_warning_about_the_optimizer_steps_wrapper():
-    """The prepared ``opt.step`` runs eagerly with torch's wrapper (step hooks, profiling): Dynamo had
-    traced that wrapper up to the step and logged, in every train step, that it ignores its profiler
+@pytest.mark.parametrize("gradient_release", [False, True])
+def test_a_compiled_train_step_logs_no_warning_about_the_optimizer_steps_wrapper(gradient_release):
+    """The prepared ``opt.step`` runs eagerly with torch's wrapper (step hooks, profiling), and the
+    compiled steps (gradient release's per parameter too) are the class's update without it: Dynamo
+    had traced that wrapper and logged, in every train step, that it ignores its profiler
     ``record_function``."""
     torch.manual_seed(0)
     model = nn.Linear(64, 8)
-    step = mse_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), compiler="eager")
+    step = mse_train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), compiler="eager",
+                          gradient_release=gradient_release)
     records = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append

@@ -38,6 +38,43 @@ def test_fp32_model_becomes_bf16_except_norms_and_kept_names():
     torch.testing.assert_close(out.float(), original(x), atol=0.05, rtol=0.05)
 
 
+class CheckpointedBlocks(nn.Module):
+    """Blocks of a norm and a linear, each run under ``torch.utils.checkpoint`` (as Hugging Face's
+    ``gradient_checkpointing_enable`` runs its decoder layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.RMSNorm(64), nn.Linear(64, 64)) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_norms_kept_fp32_inside_checkpointed_blocks_compile_with_the_model():
+    """A norm's fp32 casts inside a checkpointed region are traced into the region, also when the
+    compiled forward is the model's first (they kept the input's dtype on the module, a side effect
+    Dynamo refuses there: the whole model fell back to eager), and the gradients are those of the
+    eager model."""
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    grads = []
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        model = CheckpointedBlocks()
+        flash_inductor.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), compile_options=EAGER)
+        assert model.blocks[0][0].weight.dtype == torch.float32
+        loss = lambda t: model(t).float().square().mean()  # noqa: E731
+        if compiled:
+            loss = flash_inductor.compile(loss, **EAGER)
+            report = flash_inductor.inspect(loss, x)
+            assert report.graph_breaks == [] and [g.kind for g in report.graphs] == ["model"]
+        loss(x).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=0, atol=0, msg=n)
+
+
 class LibraryRMSNorm(nn.Module):
     """Another library's RMSNorm (as Hugging Face's LlamaRMSNorm): not an ``nn.RMSNorm``."""
 
