@@ -467,8 +467,9 @@ class Bucket:
     def _fp8_gradient_flags(self):
         """Which parameters have an FP8 gradient (a ``.grad`` set by hand is added first); the step
         consumes them."""
+        record = self._record()
         for index, p in enumerate(self.params):
-            checks.check_storage(self._record(), p)
+            checks.check_storage(record, p)
             if p.grad is not None:
                 self._encode_gradient(index)
         flags = [index in self._received for index in range(len(self.params))]

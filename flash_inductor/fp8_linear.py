@@ -129,7 +129,7 @@ def _output_dtype(x, weight):
     return torch.promote_types(x.dtype, weight.dtype)
 
 
-def _padded_input(ctx, x, weight):
+def _padded_input(ctx, x, weight, bias):
     """``(x as a 2-D matrix padded to the weight's padded in-dim, n, pn, pk)``, with what the backward
     needs of the shapes and dtypes kept on ``ctx``. Zero padding (``padded_shape``) changes no amax, no
     product and no sum; the results are cut back."""
@@ -137,6 +137,7 @@ def _padded_input(ctx, x, weight):
     pn, pk = padded_shape(n, k)
     x2 = x.reshape(-1, k)
     ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
     return _pad_to(x2, x2.shape[0], pk), n, pn, pk
 
 
@@ -151,17 +152,17 @@ def _output(out, bias, n, pn, x, weight):
     return out.to(_output_dtype(x, weight))
 
 
-def _gradients(ctx, grad_x, grad_w, g2, bias_dtype):
+def _gradients(ctx, grad_x, grad_w, g2):
     """The backward's ``(dx, dw, db)`` cut back to the unpadded shapes, in the inputs' dtypes."""
     n, k = g2.shape[1], ctx.input_shape[-1]
-    grad_b = None if bias_dtype is None else g2.sum(0, dtype=torch.float32).to(bias_dtype)
+    grad_b = None if ctx.bias_dtype is None else g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
     return grad_x[:, :k].reshape(ctx.input_shape).to(ctx.input_dtype), grad_w[:n, :k].to(ctx.weight_dtype), grad_b
 
 
 class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, power_of_two, fast_accum, amax_history, scale, grad_amax_history, grad_scale):
-        xp, n, pn, pk = _padded_input(ctx, x, weight)
+        xp, n, pn, pk = _padded_input(ctx, x, weight, bias)
         x_fp8, x_inv = _quantize(xp, fp8.E4M3, power_of_two, amax_history, scale, 0)
         if isinstance(weight, Fp8Weight):  # gathered in e4m3 (fp8_all_gather): cast already
             w_fp8, w_inv = _pad_to(weight.qdata.view(torch.uint8), pn, pk).view(fp8.E4M3), weight.scale.reciprocal()
@@ -172,7 +173,6 @@ class Fp8LinearFunction(torch.autograd.Function):
         # a later forward (the next micro-batch) modified in place.
         ctx.grad_state = (grad_amax_history, grad_scale)
         ctx.power_of_two = power_of_two
-        ctx.bias_dtype = None if bias is None else bias.dtype
         # Column-major already for an (out, in) weight (no copy); a transposed (in, out) one is copied.
         out = _scaled_mm(x_fp8, x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)
         return _output(out, bias, n, pn, x, weight)
@@ -189,7 +189,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         grad_x = _scaled_mm(g_fp8, g_inv, _col_major(w_fp8), w_inv)
         # Both transposed copies in kernels of their own (fp8_transpose: fused into a norm's backward they were slow).
         grad_w = _scaled_mm(transpose_fp8(g_fp8), g_inv, transpose_fp8(x_fp8).t(), x_inv)
-        return *_gradients(ctx, grad_x, grad_w, g2, ctx.bias_dtype), None, None, None, None, None, None
+        return *_gradients(ctx, grad_x, grad_w, g2), None, None, None, None, None, None
 
 
 class Fp8RowwiseLinearFunction(torch.autograd.Function):
@@ -197,13 +197,12 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, fast_accum):
-        xp, n, pn, pk = _padded_input(ctx, x, weight)
+        xp, n, pn, pk = _padded_input(ctx, x, weight, bias)
         wp = _pad_to(weight, pn, pk)
         x_fp8, x_inv = _quantize_rows(xp)
         w_fp8, w_inv = _quantize_rows(wp)
         # What the backward's GEMMs take: w summed over n (dx), x summed over the tokens (dw).
         ctx.save_for_backward(*_quantize_rows(wp.t()), *_quantize_rows(xp.t()))
-        ctx.bias_dtype = None if bias is None else bias.dtype
         out = _scaled_mm(x_fp8, x_inv, w_fp8.t(), w_inv.t(), fast_accum)
         return _output(out, bias, n, pn, x, weight)
 
@@ -217,7 +216,7 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
         gt_fp8, gt_inv = _quantize_rows(gp.t())
         grad_x = _scaled_mm(g_fp8, g_inv, wt_fp8.t(), wt_inv.t())
         grad_w = _scaled_mm(gt_fp8, gt_inv, xt_fp8.t(), xt_inv.t())
-        return *_gradients(ctx, grad_x, grad_w, g2, ctx.bias_dtype), None
+        return *_gradients(ctx, grad_x, grad_w, g2), None
 
 
 def fp8_linear(x, weight, bias=None, *, rowwise=False, power_of_two=False, fast_accum=False, amax_history=None,

@@ -98,8 +98,8 @@ class SingleParameterStep:
             buckets=[],
             internal=True,
         )
-        # The class's own update, without torch's wrappers (flat.step_buckets): their graph breaks and profiler
-        # record_function, which Dynamo logs a warning for, are nothing to a step no user hooks.
+        # The class's own update, without torch's wrappers (flat.step_buckets): an internal optimizer has no
+        # user hooks, and the wrappers' graph breaks and profiler record_function (a Dynamo warning) cost only.
         self.compiled = compile_with_backend(flat.step_buckets, **compile_options)
 
     def point_at(self, group, param, error, state, grad):
