@@ -30,12 +30,13 @@ def reference_gemm(a, b):
     return reference_rows(a) @ reference_rows(b.t()).t()
 
 
-def assert_within_bf16(actual, expected, magnitude, rounded=()):
-    """``actual`` (bf16) is ``expected`` rounded to bf16, give or take fp32's summation error over
-    ``magnitude`` (the sum of the products' magnitudes) and a bf16 rounding of each of the ``rounded``
-    intermediate values (the GEMM's output before a bias is added)."""
+def assert_within_bf16(actual, expected, magnitude, rounded=(), accumulation=2.0**-20):
+    """``actual`` (bf16) is ``expected`` rounded to bf16, give or take the summation's error,
+    ``accumulation`` (fp32's, by default) of ``magnitude`` (the sum of the products' magnitudes), and
+    a bf16 rounding of each of the ``rounded`` intermediate values (the GEMM's output before a bias
+    is added)."""
     error = (actual.double() - expected).abs()
-    bound = 2.0**-8 * (expected.abs() + sum(t.abs() for t in rounded)) + 2.0**-20 * magnitude + 1e-30
+    bound = 2.0**-8 * (expected.abs() + sum(t.abs() for t in rounded)) + accumulation * magnitude + 1e-30
     assert (error <= bound).all(), f"{(error / bound).max().item():.2f}x the bound"
 
 

@@ -595,7 +595,7 @@ def test_fp8_linears_in_a_checkpointed_region_run_scaled_mm_in_forward_and_recom
 def test_rowwise_fp8_linear_compiled_for_cuda_matches_the_fp64_reference(fast_accum):
     """``fp8="rowwise"`` through Inductor on CUDA: three row-wise ``_scaled_mm`` a linear (forward,
     input and weight gradients), each within bf16 rounding of the recipe's fp64 reference
-    (tests/test_fp8_rowwise.py), the forward's with fast accumulation given a looser fp32 error."""
+    (tests/test_fp8_rowwise.py), give or take the tensor cores' summation error (below)."""
     from test_fp8_rowwise import assert_within_bf16, reference_gemm, reference_rows
     from torch._inductor.utils import run_and_get_code
 
@@ -618,13 +618,16 @@ def test_rowwise_fp8_linear_compiled_for_cuda_matches_the_fp64_reference(fast_ac
     y = outputs[0]
     w, xd = layer.weight.detach().cpu(), x.detach().cpu()
     gc = g.cpu()
-    forward_error = 2.0**-12 if fast_accum else 2.0**-20  # fast accumulation: fewer bits in the partial sums
-    product = reference_gemm(xd, w.t())
-    assert_within_bf16(y.detach().cpu(), product,
-                       forward_error / 2.0**-20 * (reference_rows(xd).abs() @ reference_rows(w).abs().t()))
-    assert_within_bf16(x.grad.cpu(), reference_gemm(gc, w), reference_rows(gc).abs() @ reference_rows(w.t()).abs().t())
+    # torch's row-wise kernel (CUTLASS, sm90) adds the FP8 tensor cores' partial sums into fp32 only
+    # every few k-blocks, with or without fast accumulation: 2^-15.3 of the magnitude measured at
+    # K = 512 (benchmarks/fp8_accumulation.py), where cuBLAS's tensorwise GEMM keeps fp32's 2^-20.
+    tensor_cores = 2.0**-12
+    assert_within_bf16(y.detach().cpu(), reference_gemm(xd, w.t()),
+                       reference_rows(xd).abs() @ reference_rows(w).abs().t(), accumulation=tensor_cores)
+    assert_within_bf16(x.grad.cpu(), reference_gemm(gc, w), reference_rows(gc).abs() @ reference_rows(w.t()).abs().t(),
+                       accumulation=tensor_cores)
     assert_within_bf16(layer.weight.grad.cpu(), reference_gemm(gc.t(), xd),
-                       reference_rows(gc.t()).abs() @ reference_rows(xd.t()).abs().t())
+                       reference_rows(gc.t()).abs() @ reference_rows(xd.t()).abs().t(), accumulation=tensor_cores)
 
 
 @pytest.mark.parametrize("gradient_format", ["e5m2", "e4m3"])
