@@ -17,8 +17,8 @@ Current scaling casts every operand with ``scale = fp8_max / amax`` of its curre
 (``formats.fp8``). Delayed scaling takes the scale from an amax history instead and records the
 operand's amax in it (``formats.fp8.scale_from_history``); the histories and last scales are
 buffers of the layer (``flash_inductor.fp8_delayed``) that this function updates in place: the
-forward the rows of x and w, the backward the grad-output's. ``torch._scaled_mm`` multiplies with
-fp32 accumulation and takes the inverse scales. Its second operand must be column-major: an
+forward the rows of x and w, the backward the grad-output's. ``torch._scaled_mm`` multiplies (partial
+sums promoted to fp32, ``_scaled_mm`` below) and takes the inverse scales. Its second operand must be column-major: an
 ``[N, K]`` row-major tensor transposed.
 
 It is a ``torch.autograd.Function`` of plain torch ops, so AOTAutograd traces forward and
@@ -103,7 +103,8 @@ def _quantize_rows(t):
 
 
 def _scaled_mm(a, a_inv_scale, b_t, b_inv_scale, fast_accum=False):
-    """``a @ b_t`` in bf16 (fp32 accumulation unless ``fast_accum``); ``b_t`` is column-major. The
+    """``a @ b_t`` in bf16 (partial sums promoted to fp32 unless ``fast_accum``; on Hopper each holds
+    about 13 bits before, benchmarks/fp8_accumulation.py); ``b_t`` is column-major. The
     inverse scales are one each (per-tensor) or a column ``(M, 1)`` and a row ``(1, N)`` (row-wise).
 
     On the CPU the fp8 operands are multiplied as fp32 matrices: their products are exact in fp32

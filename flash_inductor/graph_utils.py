@@ -201,14 +201,20 @@ class _FakeProp(fx.Interpreter):
         self.overwrite = overwrite
 
     def placeholder(self, target, args, kwargs):
-        value = self.node.meta[BOUND_INPUT] if BOUND_INPUT in self.node.meta else next(self.args_iter)
-        return self.mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+        if BOUND_INPUT in self.node.meta:
+            return self._fake(self.node.meta[BOUND_INPUT], static_shapes=True)
+        # Dynamo's fake mode gives back the fake it made of this input, with its symbolic sizes.
+        return self._fake(next(self.args_iter))
 
     def get_attr(self, target, args, kwargs):
         # Not every attribute is a tensor: a higher-order op's body (an autograd.Function's
         # fwd_body, a checkpointed region) is a GraphModule.
-        value = super().get_attr(target, args, kwargs)
-        return self.mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+        return self._fake(super().get_attr(target, args, kwargs), static_shapes=True)
+
+    def _fake(self, value, static_shapes=None):
+        """``static_shapes`` for tensors Dynamo did not see: a symbol without a source in its shape
+        environment would break its guards."""
+        return self.mode.from_tensor(value, static_shapes=static_shapes) if isinstance(value, torch.Tensor) else value
 
     def run_node(self, n):
         self.node = n
@@ -221,8 +227,18 @@ class _FakeProp(fx.Interpreter):
 
 def propagate_fake(gm: fx.GraphModule, example_inputs, overwrite=False):
     """Run ``gm`` on fake tensors: raises where a rewritten graph is inconsistent, and gives nodes
-    without one (or all, with ``overwrite``) an ``example_value``: dtype and shape."""
-    _FakeProp(gm, FakeTensorMode(allow_non_fake_inputs=True), overwrite).run(*example_inputs)
+    without one (or all, with ``overwrite``) an ``example_value``: dtype and shape.
+
+    In Dynamo's fake mode when the inputs come from it: a mode of its own would copy them with
+    concrete sizes, and a reshape by a symbolic size then pins that symbol to the size compiled
+    for (a dynamic sequence length recompiled for every length)."""
+    mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode()
+    # A graph may hold real tensors as constants (compiled autograd's do).
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    try:
+        _FakeProp(gm, mode, overwrite).run(*example_inputs)
+    finally:
+        mode.allow_non_fake_inputs = allowed
 
 
 def readable_code(gm: fx.GraphModule, example_inputs):

@@ -130,6 +130,38 @@ def test_a_dynamic_token_count_is_decided_at_its_hint():
         assert decisions_of(report)["weight"].startswith(expected)
 
 
+class _Heads(nn.Module):
+    """A projection split into attention heads and joined back, with sizes read from the input, as
+    Hugging Face's attention does."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        heads = self.proj(x).view(b, t, 4, 16).transpose(1, 2)
+        return heads.transpose(1, 2).reshape(b, t, 64)
+
+
+def test_an_fp8_graph_compiled_for_a_dynamic_sequence_length_serves_every_length():
+    """The passes' type check ran the rewritten graph in a fake mode of its own, on copies of the
+    inputs with concrete sizes: a reshape by the symbolic length then pinned the length to the
+    one compiled for, so each new length recompiled (Dynamo's limit reached, the model ran
+    eagerly), and a length marked dynamic failed with a ConstraintViolationError."""
+    model = _Heads()
+    compiled = flash_inductor.compile(model, **EAGER, fp8="tensorwise", fp8_min_weight_numel=0)
+    x = torch.randn(2, 32, 64)
+    torch._dynamo.mark_dynamic(x, 1)
+    compiled(x)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for length in (48, 40):
+            x = torch.randn(2, length, 64)
+            y = compiled(x)
+            assert y.shape == (2, length, 64)
+            assert fp8.sqnr_db(model(x), y).item() >= 25
+
+
 def test_fp8_min_gemm_size_defaults_to_the_h200_measurement_on_cuda_only():
     """FP8 on the CPU is an emulation (for tests): no size pays there, so no GEMM is too small; on
     CUDA the default is where an FP8 linear started to pay on the H200 (docs/benchmarks.md)."""
