@@ -50,10 +50,10 @@ def accumulation_error(k, generator):
     a, b = operands(1024, k, 1024, generator)
     exact = a.double() @ b.double()
     magnitude = a.double().abs() @ b.double().abs()
+    half_ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp(min=2.0**-133))) - 8)  # of bf16
     row = {}
     for mode, (rowwise, fast) in MODES.items():
         error = (scaled_mm(a, b, rowwise, fast).double() - exact).abs()
-        half_ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp(min=2.0**-133))) - 8)  # of bf16
         excess = ((error - half_ulp).clamp(min=0) / magnitude).flatten()
         worst = excess.max().item()
         p999 = excess.kthvalue(int(0.999 * excess.numel())).values.item()
