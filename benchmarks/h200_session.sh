@@ -131,7 +131,8 @@
 #              tests against the fp64 reference, CUDA graphs' steps with kept gradients and two backward passes a step),
 #              linears (forward + backward of the Llama's linears: bf16, ours tensorwise and row-wise, torchao's two
 #              recipes), speed (the Llama, is_causal, 40 steps: the baseline against FP8 + fast accumulation + cudagraphs,
-#              tensorwise and row-wise). Its loss over seeds: hfllamaseeds with
+#              tensorwise and row-wise), profile (row-wise alone, 20 steps back to back, 3 profiled). SUFFIX names
+#              the logs of a rerun. Its loss over seeds: hfllamaseeds with
 #              RUNS="flashoptim_fp8+fastaccum+rowwise:0 ..." (the baselines of the same seeds are stored)
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
@@ -569,17 +570,22 @@ case $stage in
   rowwise)
     case ${PART:-tests} in
       tests)
-        timeout 300 python -m pytest -v -m gpu tests/test_gpu.py -k "rowwise or cudagraphs_train_step or kept_zero" 2>&1 \
-          | grep -v "^DEBUG" > "$out/gpu_tests_rowwise_h200.log"
-        tail -4 "$out/gpu_tests_rowwise_h200.log" ;;
+        timeout 300 python -m pytest -v -m gpu tests/test_gpu.py \
+          -k "rowwise or cudagraphs_train_step or kept_zero or transposes_in_its_own_kernel" 2>&1 \
+          | grep -v "^DEBUG" > "$out/gpu_tests_rowwise${SUFFIX:-}_h200.log"
+        tail -4 "$out/gpu_tests_rowwise${SUFFIX:-}_h200.log" ;;
       linears)
         logged fp8_linear_rowwise_h200 400 fp8_linear.py --blocks none \
           --shapes 8192x2048x2048,8192x2048x5632,8192x5632x2048,4096x1024x1024 \
           --peers bf16,flashoptim_fast_accum,flashoptim_rowwise,flashoptim_rowwise_fast_accum,torchao,torchao_rowwise ;;
       speed)
-        logged hf_clients_llama_rowwise_h200 560 hf_clients.py --model llama --attention is_causal \
+        logged "hf_clients_llama_rowwise${SUFFIX:-}_h200" 560 hf_clients.py --model llama --attention is_causal \
           --configs baseline,flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+rowwise+fastaccum+cudagraphs \
           --steps 40 --log-every 20 --pipelined 20 ;;
+      profile)
+        logged "hf_clients_llama_rowwise_profile${SUFFIX:-}_h200" 560 hf_clients.py --model llama \
+          --attention is_causal --configs flashoptim_fp8+rowwise+fastaccum+cudagraphs --steps 20 --log-every 10 \
+          --pipelined 20 --profile 3 ;;
     esac
     ;;
   multigpu)

@@ -54,6 +54,7 @@ def _pretend_sm90():
             return getattr(real, name)
 
     driver.set_active(Sm90Driver())
+    import torch._dynamo.device_interface as device_interface
     import torch._inductor.compile_fx as compile_fx
     import torch._inductor.fx_passes.joint_graph as joint_graph
     import torch._inductor.fx_passes.post_grad as post_grad
@@ -61,7 +62,10 @@ def _pretend_sm90():
     import torch._inductor.utils as utils
 
     properties = types.SimpleNamespace(major=9, minor=0, multi_processor_count=132, name="NVIDIA H200", warp_size=32,
-                                       total_memory=141 << 30, gcnArchName="")
+                                       total_memory=141 << 30, gcnArchName="", regs_per_multiprocessor=65536,
+                                       max_threads_per_multi_processor=2048, max_threads_per_block=1024,
+                                       L2_cache_size=50 << 20, shared_memory_per_block_optin=232448)
+    interface = device_interface.CudaInterface
     replacements = [
         (torch.cuda, "is_available", lambda: True),
         (torch.cuda, "current_device", lambda: 0),
@@ -69,6 +73,8 @@ def _pretend_sm90():
         (torch.cuda, "_maybe_exchange_device", lambda index: 0),
         (torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0)),
         (torch.cuda, "get_device_properties", lambda *args, **kwargs: properties),
+        (interface, "get_device_properties", staticmethod(lambda *args, **kwargs: properties)),
+        (interface.Worker, "get_device_properties", staticmethod(lambda *args, **kwargs: properties)),
         (torch.cuda, "get_rng_state", lambda *args, **kwargs: torch.zeros(16, dtype=torch.uint8)),
         (torch.cuda, "set_rng_state", lambda *args, **kwargs: None),
         (compile_fx, "get_cuda_device_context", lambda gm: contextlib.nullcontext()),
@@ -83,6 +89,7 @@ def _pretend_sm90():
     for module, name, value in replacements:
         setattr(module, name, value)
     torch._inductor.config.pattern_matcher = False
+    torch._inductor.config.joint_graph_constant_folding = False  # it would run ops on (real) CUDA tensors
     torch._inductor.config.max_autotune_gemm_backends = "ATEN"
 
 

@@ -11,7 +11,8 @@ operand of every GEMM in e4m3 with one power-of-two scale per row along the dime
 over, so each tensor is cast twice, once per direction it is summed in: x and w along k for y, w
 along n for dx (saved as ``w.T`` cast by rows), dy along n for dx and along the tokens for dw, x
 along the tokens for dw (saved as ``x.T`` cast by rows). The saved bytes are tensorwise's (x and w
-in e4m3); the forward casts twice as much.
+in e4m3); the forward casts twice as much. A transposed operand is cast by columns where its tensor
+is stored and then transposed by ``fp8_transpose`` (``_quantize_columns``).
 
 Current scaling casts every operand with ``scale = fp8_max / amax`` of its current value
 (``formats.fp8``). Delayed scaling takes the scale from an amax history instead and records the
@@ -100,6 +101,15 @@ def _quantize_rows(t):
     row-wise scaling (``formats.fp8.row_amax``)."""
     scale = fp8.scale_from_amax(fp8.row_amax(t), fp8.E4M3, power_of_two=True)
     return fp8.cast_to_fp8(t, scale, fp8.E4M3).contiguous(), scale.reciprocal()
+
+
+def _quantize_columns(t):
+    """``_quantize_rows(t.t())``, the same bits: each column cast with its own scale where ``t`` is
+    stored, then transposed by ``transpose_fp8``. Cast through ``t.t()`` directly, Inductor stores the
+    transposed bytes from the kernel that produces ``t``, an RMSNorm's forward or backward among
+    them, a column apart per row (the slow kernels ``fp8_transpose`` describes)."""
+    scale = fp8.scale_from_amax(fp8.row_amax(t.t()), fp8.E4M3, power_of_two=True)
+    return transpose_fp8(fp8.cast_to_fp8(t, scale.t(), fp8.E4M3)), scale.reciprocal()
 
 
 def _scaled_mm(a, a_inv_scale, b_t, b_inv_scale, fast_accum=False):
@@ -203,7 +213,7 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
         x_fp8, x_inv = _quantize_rows(xp)
         w_fp8, w_inv = _quantize_rows(wp)
         # What the backward's GEMMs take: w summed over n (dx), x summed over the tokens (dw).
-        ctx.save_for_backward(*_quantize_rows(wp.t()), *_quantize_rows(xp.t()))
+        ctx.save_for_backward(*_quantize_columns(wp), *_quantize_columns(xp))
         out = _scaled_mm(x_fp8, x_inv, w_fp8.t(), w_inv.t(), fast_accum)
         return _output(out, bias, n, pn, x, weight)
 
@@ -214,7 +224,7 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         gp = _pad_to(g2, g2.shape[0], wt_fp8.shape[1])
         g_fp8, g_inv = _quantize_rows(gp)
-        gt_fp8, gt_inv = _quantize_rows(gp.t())
+        gt_fp8, gt_inv = _quantize_columns(gp)
         grad_x = _scaled_mm(g_fp8, g_inv, wt_fp8.t(), wt_inv.t())
         grad_w = _scaled_mm(gt_fp8, gt_inv, xt_fp8.t(), xt_inv.t())
         return *_gradients(ctx, grad_x, grad_w, g2), None

@@ -6,7 +6,9 @@ the transposed copy into the kernel that produces ``t``'s rows, also when that k
 per-row reduction (an RMSNorm or LayerNorm backward): each program then writes one row of ``t`` as
 one column of the copy, 1-byte stores a whole column apart. On the H200, in HF Llama-1B's FP8
 backward, such kernels took 1.2-1.3 ms a call (``benchmarks/results/hf_clients_llama_h200.log``,
-first run of 2026-12-02), where the same RMSNorm backward without the copy took 0.05 ms.
+first run of 2026-12-02), where the same RMSNorm backward without the copy took 0.05 ms. Row-wise
+scaling's casts by columns are transposed here too (``fp8_linear._quantize_columns``;
+``benchmarks/fp8_layer_kernels.py`` lists the kernels Inductor writes either way).
 
 ``transpose_fp8`` is a ``torch.library.triton_op``: Inductor launches its Triton kernel as written
 and fuses nothing into it, so ``t`` is stored row by row where it is produced, and the copy moves

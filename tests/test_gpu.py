@@ -490,17 +490,22 @@ def _backward_kernel_launches(model, x, **options):
     return {e.key: e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
-def test_compiled_fp8_backward_transposes_in_its_own_kernel():
-    """The weight gradient's two transposed copies are launches of fp8_transpose's kernel, not fused
-    into the norm backward that produces the gradient; the gradients keep FP8's accuracy."""
+@pytest.mark.parametrize("fp8, transposes", [
+    ("tensorwise", 4),  # 2 linears x (gradient, input), in the backward
+    ("rowwise", 6),  # 2 linears x (gradient; input and weight, cast by columns in the forward)
+])
+def test_compiled_fp8_step_transposes_in_its_own_kernel(fp8, transposes):
+    """The weight gradient's transposed operands (and row-wise's transposed weight) are launches of
+    fp8_transpose's kernel, not fused into the norm (forward or backward) that produces the tensor;
+    the gradients keep FP8's accuracy."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.RMSNorm(512), nn.Linear(512, 512, bias=False)).cuda()
     x = torch.randn(256, 512, device="cuda", requires_grad=True)
     model(x).float().square().mean().backward()
     reference = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    launches = _backward_kernel_launches(model, x, fp8="tensorwise", **EVERY_LINEAR)
-    assert launches.get("transpose_kernel") == 4, launches  # 2 linears x (gradient, input)
+    launches = _backward_kernel_launches(model, x, fp8=fp8, **EVERY_LINEAR)
+    assert launches.get("transpose_kernel") == transposes, launches
     for p, ref in zip(model.parameters(), reference):
         sqnr = 10 * torch.log10(ref.float().square().sum() / (p.grad.float() - ref.float()).square().sum())
         assert sqnr >= 20, (p.shape, sqnr)

@@ -1,0 +1,237 @@
+"""The Triton kernels Inductor writes for one Llama decoder layer's FP8 forward and backward on an
+H200, read on a machine without a GPU.
+
+It looks for the slow kernels ``flash_inductor/fp8_transpose.py`` describes: a reduction over each
+row (an RMSNorm's forward or backward, a row's amax) that also stores a tensor transposed, so that
+each program writes one column of it, elements a whole row apart. On the H200 such kernels took
+1.2-1.3 ms a call where the norm alone took 0.05 ms.
+
+The layer is HF Llama-1B's (hidden 2048, intermediate 5632, 16 heads, 8192 tokens): RMSNorm, q/k/v
+projections, causal attention, o projection, RMSNorm, gate/up/down MLP, with every linear through
+``fp8_linear``. Its forward and backward (``torch.autograd.grad``) are traced into one graph with
+fake CPU tensors (a CPU build cannot run autograd on fake CUDA tensors), with ``_scaled_mm`` as the
+op itself and ``transpose_fp8`` as a placeholder op, then CSE'd as AOTAutograd does, moved to fake
+CUDA tensors, and lowered by Inductor for sm_90 with the backend's aten passes up to its generated
+code (``lowering_probe``: nothing is compiled or run). One graph, where AOTAutograd would give two:
+Inductor fuses what each half would have, and may fuse across them too. Written against torch 2.13::
+
+    python benchmarks/fp8_layer_kernels.py                        # tensorwise, row-wise, row-wise before
+    python benchmarks/fp8_layer_kernels.py --show rowwise-before  # that configuration's kernels
+"""
+
+import argparse
+import contextlib
+import json
+import re
+
+import torch
+import torch.nn.functional as F
+from lowering_probe import _pretend_sm90
+
+TOKENS, HIDDEN, INTERMEDIATE, HEADS = 8192, 2048, 5632, 16
+
+CONFIGURATIONS = {
+    "tensorwise": dict(rowwise=False, power_of_two=True),
+    "rowwise": dict(rowwise=True),
+    # fp8_linear before the twenty-ninth session: the transposed casts written as casts of t.t()
+    "rowwise-before": dict(rowwise=True),
+}
+
+
+class _GeneratedCode(Exception):
+    """Raised where Inductor has written its code, carrying it."""
+
+
+@torch.library.custom_op("fp8_layer_kernels::transpose", mutates_args=())
+def _transpose_placeholder(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous()
+
+
+@_transpose_placeholder.register_fake
+def _(t):
+    return t.new_empty(t.shape[1], t.shape[0])
+
+
+@contextlib.contextmanager
+def _fp8_linear_as_on_cuda(configuration):
+    """fp8_linear's CUDA code while tracing on the CPU: ``_scaled_mm`` itself, ``transpose_fp8`` as the
+    placeholder op; with ``rowwise-before``, the transposed casts as casts of ``t.t()``."""
+    from flash_inductor import fp8_linear as module
+
+    saved = module._scaled_mm, module.transpose_fp8, module._quantize_columns
+    module._scaled_mm = lambda a, a_inv, b_t, b_inv, fast_accum=False: torch._scaled_mm(
+        a, b_t, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    module.transpose_fp8 = _transpose_placeholder
+    if configuration == "rowwise-before":
+        module._quantize_columns = lambda t: module._quantize_rows(t.t())
+    try:
+        yield
+    finally:
+        module._scaled_mm, module.transpose_fp8, module._quantize_columns = saved
+
+
+def _layer(options):
+    from flash_inductor.fp8_linear import fp8_linear
+
+    def rms_norm(x, weight):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * weight).to(torch.bfloat16)
+
+    def linear(x, weight):
+        return fp8_linear(x, weight, fast_accum=True, **options)
+
+    def heads(t):
+        return t.view(1, TOKENS, HEADS, -1).transpose(1, 2)
+
+    def layer(x, norm1, wq, wk, wv, wo, norm2, wg, wu, wd, grad_out):
+        inputs = (x, norm1, wq, wk, wv, wo, norm2, wg, wu, wd)
+        h = rms_norm(x, norm1)
+        attention = F.scaled_dot_product_attention(heads(linear(h, wq)), heads(linear(h, wk)), heads(linear(h, wv)),
+                                                   is_causal=True)
+        x = x + linear(attention.transpose(1, 2).reshape(TOKENS, HIDDEN), wo)
+        h = rms_norm(x, norm2)
+        out = x + linear(F.silu(linear(h, wg)) * linear(h, wu), wd)
+        return torch.autograd.grad(out, inputs, grad_out)
+
+    return layer
+
+
+def _input_specs():
+    bf16, fp32 = torch.bfloat16, torch.float32
+    square, up, down = (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)
+    return [((TOKENS, HIDDEN), bf16), ((HIDDEN,), fp32), (square, bf16), (square, bf16), (square, bf16),
+            (square, bf16), ((HIDDEN,), fp32), (up, bf16), (up, bf16), (down, bf16), ((TOKENS, HIDDEN), bf16)]
+
+
+def _record_kernel_bytes():
+    """Each Triton kernel's estimated bytes in its metadata (``kernel_num_gb``), as
+    ``config.benchmark_kernel`` would write them without changing what it fuses."""
+    from torch._inductor.codegen.triton import TritonKernel
+
+    meta = TritonKernel.inductor_meta_per_kernel
+    if getattr(meta, "records_bytes", False):
+        return
+
+    def with_bytes(self):
+        out = meta(self)
+        out.setdefault("kernel_num_gb", self.estimate_kernel_num_bytes() / 1e9)
+        return out
+
+    with_bytes.records_bytes = True
+    TritonKernel.inductor_meta_per_kernel = with_bytes
+
+
+def generated_code(configuration):
+    """Inductor's code (sm_90) for the layer's forward and backward under ``configuration``."""
+    import torch._inductor.graph as inductor_graph
+    from torch._functorch.compile_utils import fx_graph_cse
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from flash_inductor import fp8_transpose, passes
+    from flash_inductor.options import Options
+    from flash_inductor.pipeline import AtenPasses, PassContext
+
+    options = CONFIGURATIONS[configuration]
+    specs = _input_specs()
+    with _fp8_linear_as_on_cuda(configuration), FakeTensorMode():
+        cpu_inputs = [torch.empty(shape, dtype=dtype).requires_grad_(i < len(specs) - 1)
+                      for i, (shape, dtype) in enumerate(specs)]
+        traced = make_fx(_layer(options))(*cpu_inputs)
+    traced = torch.fx.GraphModule(traced, fx_graph_cse(traced.graph))
+
+    class OnCuda(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if target is torch.ops.fp8_layer_kernels.transpose.default:
+                return fp8_transpose.transpose_fp8(*args)
+            kwargs = {k: torch.device("cuda") if k == "device" else v for k, v in kwargs.items()}
+            return super().call_function(target, args, kwargs)
+
+    _pretend_sm90()
+    _record_kernel_bytes()
+    fp8_option = "rowwise" if options["rowwise"] else "tensorwise"
+    torch._inductor.config.post_grad_custom_post_pass = AtenPasses(
+        passes.ATEN_PASSES, PassContext({}, set(), Options(fp8=fp8_option)), "fp8_layer_kernels")
+    codegen = inductor_graph.GraphLowering.codegen
+
+    def stop_at_code(self):
+        raise _GeneratedCode(codegen(self)[0].value)
+
+    inductor_graph.GraphLowering.codegen = stop_at_code
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    try:
+        with mode:
+            cuda_inputs = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in specs]
+            graph = make_fx(lambda *inputs: OnCuda(traced).run(*inputs))(*cuda_inputs)
+        torch._inductor.compile_fx.compile_fx(graph, cuda_inputs)
+    except Exception as error:  # Inductor wraps what is raised inside it
+        while error is not None and not isinstance(error, _GeneratedCode):
+            error = error.__cause__ or error.__context__
+        if error is None:
+            raise
+        return error.args[0]
+    finally:
+        inductor_graph.GraphLowering.codegen = codegen
+    raise AssertionError("Inductor finished without writing code")
+
+
+_KERNEL = re.compile(r"@triton_heuristics\.(\w+)\(.*?@triton\.jit\ndef (\w+)\(.*?\):\n(.*?)\n'''", re.S)
+
+
+def kernels(code):
+    """[{name, kind, sizes, stores, transposed_stores}] of the Triton kernels in ``code``. A store is
+    transposed in a reduction kernel when consecutive elements of the reduced dimension (``r0_1``)
+    land a row apart (its index multiplies ``r0_1`` by a constant)."""
+    found = []
+    for kind, name, body in _KERNEL.findall(code):
+        stores = re.findall(r"tl\.store\(\w+ \+ \((.*?)\)", body)
+        transposed = [s for s in stores if "reduction" in kind and re.search(r"\b\d+\*r0_1\b", s)]
+        found.append(dict(name=name, kind=kind, sizes=dict(re.findall(r"(\w+numel) = (\d+)", body)),
+                          stores=len(stores), transposed_stores=len(transposed)))
+    return found
+
+
+def transposes(code):
+    """[(rows, cols)] of each ``transpose_fp8`` launch in ``code``."""
+    return [(int(r), int(c)) for r, c in re.findall(r"\btranspose_kernel_\d+\.run\(\w+, \w+, (\d+), (\d+),", code)]
+
+
+def summary(code):
+    """Counts over the layer's kernels, and the bytes they move: Inductor's estimate for its kernels
+    (each buffer read or written once), one byte read and one written per element for a transpose."""
+    found, copies = kernels(code), transposes(code)
+    inductor_gb = sum(float(gb) for gb in re.findall(r"'kernel_num_gb': ([0-9.e-]+)", code))
+    return dict(triton_kernels=len(found),
+                transpose_kernel_launches=len(copies),
+                inductor_kernels_gb=round(inductor_gb, 3),
+                transposes_gb=round(sum(2 * r * c for r, c in copies) / 1e9, 3),
+                reductions_storing_transposed=sum(k["transposed_stores"] > 0 for k in found),
+                transposed_stores=sum(k["transposed_stores"] for k in found))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configurations", nargs="*", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS))
+    parser.add_argument("--show", choices=list(CONFIGURATIONS), help="list that configuration's kernels")
+    parser.add_argument("--json", help="write the summaries here")
+    args = parser.parse_args()
+    results = {}
+    for configuration in args.configurations:
+        code = generated_code(configuration)
+        results[configuration] = summary(code)
+        if configuration == args.show:
+            for k in kernels(code):
+                print(f"{k['kind']:21} {k['sizes']} stores {k['stores']} transposed {k['transposed_stores']}  {k['name'][:70]}")
+    columns = list(next(iter(results.values())))
+    print(f"{'configuration':16} " + " ".join(f"{c:>29}" for c in columns))
+    for configuration, s in results.items():
+        print(f"{configuration:16} " + " ".join(f"{s[c]:>29}" for c in columns))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(torch=torch.__version__, layer=dict(tokens=TOKENS, hidden=HIDDEN, intermediate=INTERMEDIATE,
+                                                               heads=HEADS), results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""benchmarks/fp8_layer_kernels.py: the Triton kernels Inductor writes for a Llama decoder layer's FP8
+forward and backward on an H200, read on the CPU. No reduction over rows (an RMSNorm, a row's amax)
+stores a tensor transposed, the slow kernels of flash_inductor/fp8_transpose.py: with tensorwise
+scales, and with row-wise scales since their transposed casts go through ``transpose_fp8``; the
+row-wise casts written as casts of ``t.t()`` (before) had such kernels. It needs Triton and runs in a
+process of its own (the probe answers CUDA queries as an H200 would)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import BENCHMARKS
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+
+def test_no_reduction_kernel_stores_an_fp8_tensor_transposed(tmp_path):
+    out = tmp_path / "kernels.json"
+    probe = subprocess.run([sys.executable, str(BENCHMARKS / "fp8_layer_kernels.py"), "--json", str(out)],
+                           capture_output=True, text=True, timeout=900)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert results["tensorwise"]["reductions_storing_transposed"] == 0, results
+    assert results["rowwise"]["reductions_storing_transposed"] == 0, results
+    assert results["rowwise-before"]["reductions_storing_transposed"] > 0, results
+    # row-wise transposes each weight (7), each distinct input (4: q/k/v and gate/up share theirs) and
+    # each gradient (7); tensorwise the inputs and gradients of the weight-gradient GEMMs
+    assert (results["rowwise"]["transpose_kernel_launches"], results["tensorwise"]["transpose_kernel_launches"]) == (18, 11)
