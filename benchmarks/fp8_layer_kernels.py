@@ -8,12 +8,13 @@ each program writes one column of it, elements a whole row apart. On the H200 su
 
 The layer is HF Llama-1B's (hidden 2048, intermediate 5632, 16 heads, 8192 tokens): RMSNorm, q/k/v
 projections, causal attention, o projection, RMSNorm, gate/up/down MLP, with every linear through
-``fp8_linear``. Its forward and backward (``torch.autograd.grad``) are traced into one graph with
-fake CPU tensors (a CPU build cannot run autograd on fake CUDA tensors), with ``_scaled_mm`` as the
-op itself and ``transpose_fp8`` as a placeholder op, then CSE'd as AOTAutograd does, moved to fake
-CUDA tensors, and lowered by Inductor for sm_90 with the backend's aten passes up to its generated
-code (``lowering_probe``: nothing is compiled or run). One graph, where AOTAutograd would give two:
-Inductor fuses what each half would have, and may fuse across them too. Written against torch 2.13::
+``fp8_linear``. AOTAutograd traces it and partitions forward from backward (Inductor's
+decompositions, the min-cut partitioner) on fake CPU tensors, as a CPU build cannot run autograd on
+fake CUDA tensors; ``_scaled_mm`` is the op itself and ``transpose_fp8`` a placeholder op while
+tracing. Each graph is then moved to fake CUDA tensors and lowered by Inductor for sm_90 with the
+backend's aten passes, up to its generated code (``lowering_probe``: nothing is compiled or run).
+Not the backend's whole pipeline (no Dynamo, no joint-graph passes), so the counts are of this
+layer as traced here. Written against torch 2.13::
 
     python benchmarks/fp8_layer_kernels.py                        # tensorwise, row-wise, row-wise before
     python benchmarks/fp8_layer_kernels.py --show rowwise-before  # that configuration's kernels
@@ -83,15 +84,13 @@ def _layer(options):
     def heads(t):
         return t.view(1, TOKENS, HEADS, -1).transpose(1, 2)
 
-    def layer(x, norm1, wq, wk, wv, wo, norm2, wg, wu, wd, grad_out):
-        inputs = (x, norm1, wq, wk, wv, wo, norm2, wg, wu, wd)
+    def layer(x, norm1, wq, wk, wv, wo, norm2, wg, wu, wd):
         h = rms_norm(x, norm1)
         attention = F.scaled_dot_product_attention(heads(linear(h, wq)), heads(linear(h, wk)), heads(linear(h, wv)),
                                                    is_causal=True)
         x = x + linear(attention.transpose(1, 2).reshape(TOKENS, HIDDEN), wo)
         h = rms_norm(x, norm2)
-        out = x + linear(F.silu(linear(h, wg)) * linear(h, wu), wd)
-        return torch.autograd.grad(out, inputs, grad_out)
+        return x + linear(F.silu(linear(h, wg)) * linear(h, wu), wd)
 
     return layer
 
@@ -100,7 +99,76 @@ def _input_specs():
     bf16, fp32 = torch.bfloat16, torch.float32
     square, up, down = (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)
     return [((TOKENS, HIDDEN), bf16), ((HIDDEN,), fp32), (square, bf16), (square, bf16), (square, bf16),
-            (square, bf16), ((HIDDEN,), fp32), (up, bf16), (up, bf16), (down, bf16), ((TOKENS, HIDDEN), bf16)]
+            (square, bf16), ((HIDDEN,), fp32), (up, bf16), (up, bf16), (down, bf16)]
+
+
+def _partitioned_graphs(configuration):
+    """{"forward", "backward"}: the layer's graphs as AOTAutograd partitions them (Inductor's
+    decompositions, the min-cut partitioner that recomputes cheap ops in the backward), traced on
+    fake CPU tensors."""
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(graph_module, inputs):
+            graphs[name] = graph_module
+            return graph_module
+        return compiler
+
+    with _fp8_linear_as_on_cuda(configuration), FakeTensorMode():
+        layer = aot_function(_layer(CONFIGURATIONS[configuration]), fw_compiler=keep("forward"),
+                             bw_compiler=keep("backward"), partition_fn=min_cut_rematerialization_partition,
+                             decompositions=select_decomp_table())
+        out = layer(*[torch.empty(shape, dtype=dtype).requires_grad_() for shape, dtype in _input_specs()])
+        out.backward(torch.empty_like(out))
+    return graphs
+
+
+def _cuda_code(graph_module, fp8_option):
+    """Inductor's code (sm_90) for ``graph_module`` (traced on the CPU) run on CUDA tensors."""
+    import torch._inductor.graph as inductor_graph
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from flash_inductor import fp8_transpose, passes
+    from flash_inductor.options import Options
+    from flash_inductor.pipeline import AtenPasses, PassContext
+
+    class OnCuda(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if target is torch.ops.fp8_layer_kernels.transpose.default:
+                return fp8_transpose.transpose_fp8(*args)
+            kwargs = {k: torch.device("cuda") if k == "device" else v for k, v in kwargs.items()}
+            return super().call_function(target, args, kwargs)
+
+    torch._inductor.config.post_grad_custom_post_pass = AtenPasses(
+        passes.ATEN_PASSES, PassContext({}, set(), Options(fp8=fp8_option)), "fp8_layer_kernels")
+    codegen = inductor_graph.GraphLowering.codegen
+
+    def stop_at_code(self):
+        raise _GeneratedCode(codegen(self)[0].value)
+
+    inductor_graph.GraphLowering.codegen = stop_at_code
+    placeholders = [n.meta["val"] for n in graph_module.graph.nodes if n.op == "placeholder"]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
+            inputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda") for t in placeholders]
+            graph = make_fx(lambda *args: OnCuda(graph_module).run(*args))(*inputs)
+        torch._inductor.compile_fx.compile_fx(graph, inputs)
+    except Exception as error:  # Inductor wraps what is raised inside it
+        while error is not None and not isinstance(error, _GeneratedCode):
+            error = error.__cause__ or error.__context__
+        if error is None:
+            raise
+        return error.args[0]
+    finally:
+        inductor_graph.GraphLowering.codegen = codegen
+    raise AssertionError("Inductor finished without writing code")
 
 
 def _record_kernel_bytes():
@@ -122,58 +190,12 @@ def _record_kernel_bytes():
 
 
 def generated_code(configuration):
-    """Inductor's code (sm_90) for the layer's forward and backward under ``configuration``."""
-    import torch._inductor.graph as inductor_graph
-    from torch._functorch.compile_utils import fx_graph_cse
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    from flash_inductor import fp8_transpose, passes
-    from flash_inductor.options import Options
-    from flash_inductor.pipeline import AtenPasses, PassContext
-
-    options = CONFIGURATIONS[configuration]
-    specs = _input_specs()
-    with _fp8_linear_as_on_cuda(configuration), FakeTensorMode():
-        cpu_inputs = [torch.empty(shape, dtype=dtype).requires_grad_(i < len(specs) - 1)
-                      for i, (shape, dtype) in enumerate(specs)]
-        traced = make_fx(_layer(options))(*cpu_inputs)
-    traced = torch.fx.GraphModule(traced, fx_graph_cse(traced.graph))
-
-    class OnCuda(torch.fx.Interpreter):
-        def call_function(self, target, args, kwargs):
-            if target is torch.ops.fp8_layer_kernels.transpose.default:
-                return fp8_transpose.transpose_fp8(*args)
-            kwargs = {k: torch.device("cuda") if k == "device" else v for k, v in kwargs.items()}
-            return super().call_function(target, args, kwargs)
-
+    """{"forward", "backward"}: Inductor's code (sm_90) for the layer's two graphs under ``configuration``."""
+    graphs = _partitioned_graphs(configuration)
     _pretend_sm90()
     _record_kernel_bytes()
-    fp8_option = "rowwise" if options["rowwise"] else "tensorwise"
-    torch._inductor.config.post_grad_custom_post_pass = AtenPasses(
-        passes.ATEN_PASSES, PassContext({}, set(), Options(fp8=fp8_option)), "fp8_layer_kernels")
-    codegen = inductor_graph.GraphLowering.codegen
-
-    def stop_at_code(self):
-        raise _GeneratedCode(codegen(self)[0].value)
-
-    inductor_graph.GraphLowering.codegen = stop_at_code
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    try:
-        with mode:
-            cuda_inputs = [torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in specs]
-            graph = make_fx(lambda *inputs: OnCuda(traced).run(*inputs))(*cuda_inputs)
-        torch._inductor.compile_fx.compile_fx(graph, cuda_inputs)
-    except Exception as error:  # Inductor wraps what is raised inside it
-        while error is not None and not isinstance(error, _GeneratedCode):
-            error = error.__cause__ or error.__context__
-        if error is None:
-            raise
-        return error.args[0]
-    finally:
-        inductor_graph.GraphLowering.codegen = codegen
-    raise AssertionError("Inductor finished without writing code")
+    fp8_option = "rowwise" if CONFIGURATIONS[configuration]["rowwise"] else "tensorwise"
+    return {name: _cuda_code(graph, fp8_option) for name, graph in graphs.items()}
 
 
 _KERNEL = re.compile(r"@triton_heuristics\.(\w+)\(.*?@triton\.jit\ndef (\w+)\(.*?\):\n(.*?)\n'''", re.S)
@@ -218,15 +240,19 @@ def main():
     args = parser.parse_args()
     results = {}
     for configuration in args.configurations:
-        code = generated_code(configuration)
-        results[configuration] = summary(code)
-        if configuration == args.show:
-            for k in kernels(code):
-                print(f"{k['kind']:21} {k['sizes']} stores {k['stores']} transposed {k['transposed_stores']}  {k['name'][:70]}")
-    columns = list(next(iter(results.values())))
-    print(f"{'configuration':16} " + " ".join(f"{c:>29}" for c in columns))
-    for configuration, s in results.items():
-        print(f"{configuration:16} " + " ".join(f"{s[c]:>29}" for c in columns))
+        codes = generated_code(configuration)
+        results[configuration] = {graph: summary(code) for graph, code in codes.items()}
+        for graph, code in codes.items():
+            if configuration == args.show:
+                print(f"-- {graph}")
+                for k in kernels(code):
+                    print(f"{k['kind']:21} {k['sizes']} stores {k['stores']} transposed {k['transposed_stores']}  "
+                          f"{k['name'][:70]}")
+    columns = list(summary(""))
+    print(f"{'configuration':15} {'graph':8} " + " ".join(f"{c:>29}" for c in columns))
+    for configuration, graphs in results.items():
+        for graph, s in graphs.items():
+            print(f"{configuration:15} {graph:8} " + " ".join(f"{s[c]:>29}" for c in columns))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(torch=torch.__version__, layer=dict(tokens=TOKENS, hidden=HIDDEN, intermediate=INTERMEDIATE,

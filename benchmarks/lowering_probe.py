@@ -90,6 +90,7 @@ def _pretend_sm90():
         setattr(module, name, value)
     torch._inductor.config.pattern_matcher = False
     torch._inductor.config.joint_graph_constant_folding = False  # it would run ops on (real) CUDA tensors
+    torch.utils._triton.has_triton.cache_clear()  # answered "no GPU" if asked before
     torch._inductor.config.max_autotune_gemm_backends = "ATEN"
 
 
