@@ -144,13 +144,14 @@ class _Heads(nn.Module):
         return heads.transpose(1, 2).reshape(b, t, 64)
 
 
-def test_an_fp8_graph_compiled_for_a_dynamic_sequence_length_serves_every_length():
+@pytest.mark.parametrize("fp8_mode", ["tensorwise", "rowwise"])
+def test_an_fp8_graph_compiled_for_a_dynamic_sequence_length_serves_every_length(fp8_mode):
     """The passes' type check ran the rewritten graph in a fake mode of its own, on copies of the
     inputs with concrete sizes: a reshape by the symbolic length then pinned the length to the
     one compiled for, so each new length recompiled, and a length marked dynamic failed with a
     ConstraintViolationError."""
     model = _Heads()
-    compiled = flash_inductor.compile(model, **EAGER, fp8="tensorwise", fp8_min_weight_numel=0)
+    compiled = flash_inductor.compile(model, **EAGER, fp8=fp8_mode, fp8_min_weight_numel=0)
     x = torch.randn(2, 32, 64)
     torch._dynamo.mark_dynamic(x, 1)
     compiled(x)

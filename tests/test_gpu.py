@@ -511,6 +511,28 @@ def test_compiled_fp8_step_transposes_in_its_own_kernel(fp8, transposes):
         assert sqnr >= 20, (p.shape, sqnr)
 
 
+@pytest.mark.parametrize("fp8", ["tensorwise", "rowwise"])
+def test_compiled_fp8_step_serves_every_token_count_from_one_graph(fp8):
+    """A token count marked dynamic: Inductor's graphs take it as a symbol, ``_scaled_mm`` and
+    fp8_transpose's kernel included, so later counts run without compiling again, and each count's
+    gradients keep FP8's accuracy against fp32's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.RMSNorm(512), nn.Linear(512, 512, bias=False)).cuda()
+    compiled = flash_inductor.compile(model, fp8=fp8, **EVERY_LINEAR)
+    for i, tokens in enumerate((256, 384, 320)):
+        x = torch.randn(tokens, 512, device="cuda")
+        model.zero_grad()
+        model(x).float().square().mean().backward()
+        reference = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        if i == 0:
+            torch._dynamo.mark_dynamic(x, 0)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            compiled(x).float().square().mean().backward()
+        for p, ref in zip(model.parameters(), reference):
+            assert sqnr_db(ref.float(), p.grad.float()) >= 20, (tokens, p.shape)
+
+
 def test_linears_reading_one_input_share_its_transposed_fp8_copy():
     """q, k and v projections of one input (fp8_transpose_cse): the backward transposes the input's
     e4m3 cast once, not three times, and its gradients are the bits of the backward that does not
