@@ -75,7 +75,9 @@ tokens/s; on CUDA: the start-up peak (``max_memory_allocated`` over the warm-up 
 compile included), the steady-state peak (peak statistics reset after the warm-up, max over the
 timed steps), the bytes allocated between steps (after ``zero_grad``, synchronized; their
 maximum over the timed steps), all above the allocation before the row; ``memory_report``'s bytes
-by component; the loss of every step and the mean of the last 50. Between rows everything is freed
+by component; the loss of every step and the mean of the last 50; the graphs compiled and the CUDA
+graphs skipped and recorded while training, while ``--pipelined`` steps ran and while ``--profile``
+steps ran (a step back to back that compiles or records is not a replay). Between rows everything is freed
 (``torch._dynamo.reset()``, ``empty_cache``) and the allocation is checked against the first
 row's starting point.
 
@@ -516,6 +518,40 @@ def targets(runs, num_params, seeds=None):
 # -------------------------------------------------------------------------------------- training
 
 
+@functools.cache
+def _counted_cuda_graph_recordings():
+    """A list whose one element counts the CUDA graphs that cudagraph trees record from now on: a
+    replayed step records none; a step whose graph is recorded again (new input addresses, a changed
+    path through the tree) records one per graph."""
+    from torch._inductor.cudagraph_trees import CUDAGraphTreeManager
+
+    count, record = [0], CUDAGraphTreeManager.record_function
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return record(self, *args, **kwargs)
+
+    CUDAGraphTreeManager.record_function = counted
+    return count
+
+
+def compile_counters():
+    """What has been compiled and recorded so far: Dynamo's graphs, CUDA graphs that Inductor skipped
+    (the reason is in its log) and those recorded; a row's steps differ by what they add."""
+    from torch._dynamo.utils import counters
+
+    return dict(graphs_compiled=counters["stats"]["unique_graphs"], cuda_graphs_skipped=counters["inductor"]["cudagraph_skips"],
+                cuda_graphs_recorded=_counted_cuda_graph_recordings()[0])
+
+
+def counters_since(before):
+    """``compile_counters()`` minus ``before``, printed on one line."""
+    now = compile_counters()
+    added = {k: now[k] - before[k] for k in now}
+    print("    " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in added.items()), flush=True)
+    return added
+
+
 def run_configuration(name, corpus, args, device, start_bytes):
     """Build, train and measure one configuration; what it allocated is freed by the caller."""
     cuda = device.type == "cuda"
@@ -528,6 +564,7 @@ def run_configuration(name, corpus, args, device, start_bytes):
         print(f"  allocated before: {before / 2**20:.1f} MiB (first row's start: {start_bytes / 2**20:.1f} MiB"
               + (f"; {left / 2**20:.1f} MiB left by an earlier row)" if abs(left) >= 2**20 else ")"))
         torch.cuda.reset_peak_memory_stats(device)
+    counted = compile_counters()
     setup, clip, schedule = build(name, args, device)
     r = dict(clip=clip, train_loss=[], step_s=[], between_steps_bytes=[], fp8_decisions=None,
              allocated_before_bytes=before, startup_peak_bytes=None, steady_peak_bytes=None,
@@ -568,12 +605,17 @@ def run_configuration(name, corpus, args, device, start_bytes):
             print(f"  reserved: start-up {r['startup_reserved_bytes'] / 2**20:.0f} MiB, steady "
                   f"{r['steady_reserved_bytes'] / 2**20:.0f} MiB", flush=True)
     r.update(timing(r["step_s"], args.warmup, args.batch * args.seq))
+    r["counters"] = {"training": counters_since(counted)}
     if args.pipelined:
+        counted = compile_counters()
         r.update(pipelined_timing(setup, corpus, starts, args, device))
+        r["counters"]["pipelined"] = counters_since(counted)
     if args.profile and cuda:
         x, y = batch(corpus.train, starts[-1], args.seq)
+        counted = compile_counters()
         r["profile"] = step_profile(lambda: setup.step(x, y).item(), calls=args.profile, top=args.profile_top)
         print_profile(r["profile"])
+        r["counters"]["profile"] = counters_since(counted)
     components = memory_components(setup)
     num_params = sum(p.numel() for p in setup.model.parameters())
     without_grads = sum(v for k, v in components.items() if k != "grads")

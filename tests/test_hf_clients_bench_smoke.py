@@ -33,13 +33,14 @@ RUN_FIELDS = {
     "clip", "train_loss", "step_s", "between_steps_bytes", "fp8_decisions", "allocated_before_bytes", "startup_peak_bytes",
     "steady_peak_bytes", "median_step_s", "tokens_per_s", "first_step_s", "compile_s", "num_params", "memory_bytes",
     "memory_per_param", "report_without_grads_bytes", "between_steps_max_bytes", "between_steps_vs_report", "last50_loss",
+    "counters",
 }
 
 
 def test_two_rows_train_and_report_every_field(bench, tmp_path, fresh_dynamo):
     out = tmp_path / "hf.json"
     bench.main(["--model", "gpt2", "--size", "tiny", "--configs", "baseline,flashoptim", "--steps", "3", "--warmup", "1",
-                "--device", "cpu", "--no-inductor", "--out", str(out), "--log-every", "10"])
+                "--device", "cpu", "--no-inductor", "--out", str(out), "--log-every", "10", "--pipelined", "2"])
     results = json.loads(out.read_text())
     assert set(results["runs"]) == {"baseline", "flashoptim"} and not results["skipped"]
     info = results["info"]
@@ -50,6 +51,12 @@ def test_two_rows_train_and_report_every_field(bench, tmp_path, fresh_dynamo):
         assert run["last50_loss"] == pytest.approx(sum(run["train_loss"]) / 3)
         assert run["clip"] == 1.0 and run["median_step_s"] > 0 and run["tokens_per_s"] > 0
         assert run["steady_peak_bytes"] is None and run["between_steps_max_bytes"] is None  # no allocator statistics on CPU
+        # Compiled while training (the baseline not at all with --no-inductor), and not again for the
+        # steps back to back; no CUDA graph on the CPU.
+        counters = run["counters"]
+        assert (counters["training"]["graphs_compiled"] > 0) == (name == "flashoptim"), counters
+        assert counters["pipelined"]["graphs_compiled"] == 0, counters
+        assert counters["training"]["cuda_graphs_recorded"] == counters["pipelined"]["cuda_graphs_recorded"] == 0
         # Random initial weights: the loss starts near ln(vocabulary) for every row.
         assert abs(run["train_loss"][0] - math.log(1000)) < 0.5, name
     base, flash = results["runs"]["baseline"], results["runs"]["flashoptim"]
