@@ -27,7 +27,7 @@ import re
 
 import torch
 import torch.nn.functional as F
-from lowering_probe import _pretend_sm90
+from lowering_probe import pretend_sm90
 
 TOKENS, HIDDEN, INTERMEDIATE, HEADS = 8192, 2048, 5632, 16
 
@@ -192,7 +192,7 @@ def _record_kernel_bytes():
 def generated_code(configuration):
     """{"forward", "backward"}: Inductor's code (sm_90) for the layer's two graphs under ``configuration``."""
     graphs = _partitioned_graphs(configuration)
-    _pretend_sm90()
+    pretend_sm90()
     _record_kernel_bytes()
     fp8_option = "rowwise" if CONFIGURATIONS[configuration]["rowwise"] else "tensorwise"
     return {name: _cuda_code(graph, fp8_option) for name, graph in graphs.items()}

@@ -31,7 +31,7 @@ class _LoweredBuffers(Exception):
         self.operations = operations
 
 
-def _pretend_sm90():
+def pretend_sm90():
     """Answer Inductor's CUDA and Triton queries as an H200 would, on a machine without one."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
@@ -109,7 +109,7 @@ def lowered_buffers(disable, dynamic=False):
     from flash_inductor.options import Options
     from flash_inductor.pipeline import AtenPasses, PassContext
 
-    _pretend_sm90()
+    pretend_sm90()
 
     def stop(self, nodes):
         raise _LoweredBuffers([(op.get_name() if getattr(op, "name", None) else "-", type(op).__name__,
