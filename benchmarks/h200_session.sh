@@ -60,8 +60,10 @@
 #              is_causal (flash attention) in place of the explicit causal mask that transformers passes
 #              under torch.compile before torch 2.14
 #   hfllamaseeds  issue 14: the Llama's loss over seeds (300 steps, transformers' mask as in the seed-0 rows):
-#              RUNS="config:seed ..." each its own process, all at once on the one GPU (their times are not their own,
-#              their losses and memory are), merged with hf_clients.py --report-from into NAME (one JSON, one log);
+#              RUNS="config:seed ..." each its own process on the one GPU (their times are not their own, their losses
+#              and memory are), the first alone until its first step is done (STAGED=0: all at once), then the others
+#              (from the FX graph cache where they share its configuration), merged with hf_clients.py --report-from
+#              into NAME (one JSON, one log);
 #              SEED_ARGS: more arguments for every run (e.g. "--steps 120 --lr-warmup 30")
 #   hfllamagraphs issue 14: the Llama's speed with SDPA's is_causal: the baseline against the FP8 rows with
 #              cudagraphs=True (GRAPH_CONFIGS), 60 steps (GRAPH_STEPS), profiled, then 20 steps back to back
@@ -340,13 +342,22 @@ case $stage in
   hfllamaseeds)
     name=${NAME:-hf_clients_llama_seeds_h200} runs_dir=/tmp/hfseeds
     mkdir -p "$runs_dir"
+    first=1
     # shellcheck disable=SC2086  # RUNS is a list
     for run in ${RUNS:-baseline:1 baseline:2 flashoptim:1 flashoptim:2 flashoptim+fp32act:0 flashoptim+fp32act:1}; do
-      config=${run%:*} seed=${run#*:}
-      # 16 cores for all the runs' compiles at once; a block freed by one run is not kept from the others
-      TORCHINDUCTOR_COMPILE_THREADS=4 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${LIMIT:-540}" \
-        python benchmarks/hf_clients.py --model llama --configs "$config" --seed "$seed" --shared-gpu --log-every 50 ${SEED_ARGS:-} \
-        --out "$runs_dir/${config}_s$seed.json" > "$runs_dir/${config}_s$seed.log" 2>&1 &
+      config=${run%:*} seed=${run#*:} log="$runs_dir/${config}_s$seed.log"
+      # 16 cores for the first run's compile, 4 for each of the others'; a block freed by one run is not
+      # kept from the others
+      TORCHINDUCTOR_COMPILE_THREADS=$([ $first = 1 ] && echo 16 || echo 4) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        timeout "${LIMIT:-540}" python benchmarks/hf_clients.py --model llama --configs "$config" --seed "$seed" --shared-gpu \
+        --log-every 50 ${SEED_ARGS:-} --out "$runs_dir/${config}_s$seed.json" > "$log" 2>&1 &
+      if [ $first = 1 ] && [ "${STAGED:-1}" = 1 ]; then
+        # The others start once the first has compiled (its first step is done): runs of its configuration then
+        # load its graphs from Inductor's caches while it trains, where all at once they compiled together for
+        # about 205 s with the GPU idle (hf_clients_llama_seeds_rowwise_h200.log)
+        while kill -0 $! 2>/dev/null && ! grep -q "^  step     1 " "$log"; do sleep 2; done
+      fi
+      first=0
     done
     wait
     for log in "$runs_dir"/*.log; do echo "== $log"; grep -v "^W1\|^  warnings" "$log" | tail -n 25; done > "$out/$name.log"
