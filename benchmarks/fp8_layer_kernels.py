@@ -198,19 +198,20 @@ def generated_code(configuration):
     return {name: _cuda_code(graph, fp8_option) for name, graph in graphs.items()}
 
 
-_KERNEL = re.compile(r"@triton_heuristics\.(\w+)\(.*?@triton\.jit\ndef (\w+)\(.*?\):\n(.*?)\n'''", re.S)
+_KERNEL = re.compile(r"@triton_heuristics\.(\w+)\((.*?)@triton\.jit\ndef (\w+)\(.*?\):\n(.*?)\n'''", re.S)
 
 
 def kernels(code):
-    """[{name, kind, sizes, stores, transposed_stores}] of the Triton kernels in ``code``. A store is
+    """[{name, kind, sizes, gb, stores, transposed_stores}] of the Triton kernels in ``code``. A store is
     transposed in a reduction kernel when consecutive elements of the reduced dimension (``r0_1``)
     land a row apart (its index multiplies ``r0_1`` by a constant)."""
     found = []
-    for kind, name, body in _KERNEL.findall(code):
+    for kind, decorator, name, body in _KERNEL.findall(code):
         stores = re.findall(r"tl\.store\(\w+ \+ \((.*?)\)", body)
         transposed = [s for s in stores if "reduction" in kind and re.search(r"\b\d+\*r0_1\b", s)]
+        gb = re.search(r"'kernel_num_gb': ([0-9.e-]+)", decorator)
         found.append(dict(name=name, kind=kind, sizes=dict(re.findall(r"(\w+numel) = (\d+)", body)),
-                          stores=len(stores), transposed_stores=len(transposed)))
+                          gb=float(gb.group(1)) if gb else None, stores=len(stores), transposed_stores=len(transposed)))
     return found
 
 
@@ -223,7 +224,7 @@ def summary(code):
     """Counts over the layer's kernels, and the bytes they move: Inductor's estimate for its kernels
     (each buffer read or written once), one byte read and one written per element for a transpose."""
     found, copies = kernels(code), transposes(code)
-    inductor_gb = sum(float(gb) for gb in re.findall(r"'kernel_num_gb': ([0-9.e-]+)", code))
+    inductor_gb = sum(k["gb"] or 0 for k in found)
     return dict(triton_kernels=len(found),
                 transpose_kernel_launches=len(copies),
                 inductor_kernels_gb=round(inductor_gb, 3),
@@ -246,8 +247,8 @@ def main():
             if configuration == args.show:
                 print(f"-- {graph}")
                 for k in kernels(code):
-                    print(f"{k['kind']:21} {k['sizes']} stores {k['stores']} transposed {k['transposed_stores']}  "
-                          f"{k['name'][:70]}")
+                    print(f"{k['kind']:21} {str(k['sizes']):40} {k['gb'] or 0:6.3f} GB stores {k['stores']} "
+                          f"transposed {k['transposed_stores']}  {k['name'][:60]}")
     columns = list(summary(""))
     print(f"{'configuration':15} {'graph':8} " + " ".join(f"{c:>29}" for c in columns))
     for configuration, graphs in results.items():
