@@ -96,10 +96,15 @@ def _quantize(t, dtype, power_of_two, history=None, scales=None, row=None):
     return fp8.cast_to_fp8(t, scale, dtype), scale.reciprocal()
 
 
+def _row_scales(t):
+    """Row-wise scaling's scales of the 2-D ``t``: one power-of-two e4m3 scale per row, a column
+    ``(rows, 1)`` (``formats.fp8.row_amax``)."""
+    return fp8.scale_from_amax(fp8.row_amax(t), fp8.E4M3, power_of_two=True)
+
+
 def _quantize_rows(t):
-    """``(t in e4m3, row-major, with one power-of-two scale per row; the inverse scales (rows, 1))``:
-    row-wise scaling (``formats.fp8.row_amax``)."""
-    scale = fp8.scale_from_amax(fp8.row_amax(t), fp8.E4M3, power_of_two=True)
+    """``(t in e4m3, row-major, cast by rows; the inverse scales (rows, 1))``."""
+    scale = _row_scales(t)
     return fp8.cast_to_fp8(t, scale, fp8.E4M3).contiguous(), scale.reciprocal()
 
 
@@ -108,7 +113,7 @@ def _quantize_columns(t):
     stored, then transposed by ``transpose_fp8``. Cast through ``t.t()`` directly, Inductor stores the
     transposed bytes from the kernel that produces ``t``, an RMSNorm's forward or backward among
     them, a column apart per row (the slow kernels ``fp8_transpose`` describes)."""
-    scale = fp8.scale_from_amax(fp8.row_amax(t.t()), fp8.E4M3, power_of_two=True)
+    scale = _row_scales(t.t())
     return transpose_fp8(fp8.cast_to_fp8(t, scale.t(), fp8.E4M3)), scale.reciprocal()
 
 
