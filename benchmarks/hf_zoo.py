@@ -13,8 +13,9 @@ Rows: ``stock`` (fp32 parameters, torch's AdamW, fused on CUDA, with bf16 autoca
 ``flashoptim+cudagraphs`` and ``flashoptim_fp8+cudagraphs`` (``cudagraphs=True``), ``flashoptim+recompute``
 and ``flashoptim_fp8+recompute`` (``recompute_elementwise=True``), ``flashoptim_fp8+rowwise`` (``fp8="rowwise"``).
 Every row trains on
-one fixed batch of random tokens (the loss falls as the model memorizes it), dropout off, so the
-rows' losses are comparable step by step.
+one fixed batch (random tokens; fp32 random images or mel features for the vision and audio models;
+the loss falls as the model memorizes it), dropout off, so the rows' losses are comparable step by
+step.
 
 Per architecture and row: whether it trains (else the error), the first and last losses, the FP8
 decisions (how many matmuls on parameters run in FP8, the reasons of the others), the graph breaks
@@ -42,9 +43,13 @@ from flash_inductor import inspection
 from flash_inductor.pipeline import PassFailed
 
 # The dims of each size; each architecture's config takes them under its own names.
+# Vision models take images of ``image`` pixels a side (``labels`` classes), audio models ``mel``
+# bins by ``frames``; their inputs are fp32, as users load them.
 SIZES = {
-    "tiny": dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, batch=2, seq=32),
-    "small": dict(vocab=32000, hidden=1024, inter=2816, layers=4, heads=16, kv_heads=4, batch=4, seq=1024),
+    "tiny": dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, batch=2, seq=32,
+                 image=32, patch=8, labels=10, mel=16, frames=64),
+    "small": dict(vocab=32000, hidden=1024, inter=2816, layers=4, heads=16, kv_heads=4, batch=4, seq=1024,
+                  image=224, patch=16, labels=1000, mel=80, frames=3000),
 }
 
 
@@ -90,7 +95,24 @@ ARCHITECTURES = {
     "t5": lambda T, d: T.T5ForConditionalGeneration(T.T5Config(
         vocab_size=d["vocab"], d_model=d["hidden"], d_ff=d["inter"], num_layers=d["layers"], num_heads=d["heads"],
         d_kv=d["hidden"] // d["heads"], decoder_start_token_id=0, pad_token_id=0)),
+    "vit": lambda T, d: T.ViTForImageClassification(T.ViTConfig(
+        hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], image_size=d["image"], patch_size=d["patch"], num_labels=d["labels"])),
+    "resnet": lambda T, d: T.ResNetForImageClassification(T.ResNetConfig(  # BatchNorm2d
+        embedding_size=d["hidden"] // 4, hidden_sizes=[d["hidden"] // 2 ** (d["layers"] - 1 - i) for i in range(d["layers"])],
+        depths=[1] * d["layers"], num_labels=d["labels"])),
+    "convnext": lambda T, d: T.ConvNextForImageClassification(T.ConvNextConfig(  # depthwise convolutions
+        num_stages=d["layers"], hidden_sizes=[d["hidden"] // 2 ** (d["layers"] - 1 - i) for i in range(d["layers"])],
+        depths=[1] * d["layers"], num_labels=d["labels"])),
+    "whisper": lambda T, d: T.WhisperForConditionalGeneration(T.WhisperConfig(  # 1-D convolutions over mel features
+        vocab_size=d["vocab"], d_model=d["hidden"], encoder_layers=d["layers"], decoder_layers=d["layers"],
+        encoder_attention_heads=d["heads"], decoder_attention_heads=d["heads"], encoder_ffn_dim=d["inter"],
+        decoder_ffn_dim=d["inter"], num_mel_bins=d["mel"], max_source_positions=d["frames"] // 2,
+        max_target_positions=max(64, d["seq"]), pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=1)),
 }
+IMAGE_MODELS = {"vit", "resnet", "convnext"}
+AUDIO_MODELS = {"whisper"}
 ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs",
         "flashoptim+recompute", "flashoptim_fp8+recompute", "flashoptim_fp8+rowwise")
 DEFAULT_ROWS = ROWS[:3]
@@ -112,11 +134,20 @@ def build_model(name, size, device):
     return model.to(device)
 
 
-def fixed_batch(size, device):
-    """The one batch of random tokens every row trains on (their ids are also the labels)."""
-    dims = SIZES[size]
-    ids = torch.randint(0, dims["vocab"], (dims["batch"], dims["seq"]), generator=torch.Generator().manual_seed(1))
-    return dict(input_ids=ids.to(device), labels=ids.to(device))
+def fixed_batch(name, size, device):
+    """The one batch every row of model ``name`` trains on: random tokens (their ids are also the
+    labels), or fp32 random images with random classes, or fp32 random mel features with random tokens."""
+    d = SIZES[size]
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, d["vocab"], (d["batch"], d["seq"]), generator=gen)
+    if name in IMAGE_MODELS:
+        batch = dict(pixel_values=torch.randn(d["batch"], 3, d["image"], d["image"], generator=gen),
+                     labels=torch.randint(0, d["labels"], (d["batch"],), generator=gen))
+    elif name in AUDIO_MODELS:
+        batch = dict(input_features=torch.randn(d["batch"], d["mel"], d["frames"], generator=gen), labels=ids)
+    else:
+        batch = dict(input_ids=ids, labels=ids)
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def make_step(row, model, args):
@@ -166,7 +197,7 @@ def run_row(name, row, args):
             model = build_model(name, args.size, device)
             result["num_params"] = sum(p.numel() for p in model.parameters())
             step, opt = make_step(row, model, args)
-            batch = fixed_batch(args.size, device)
+            batch = fixed_batch(name, args.size, device)
             losses, seconds, report = [], [], inspection.Report()
             for i in range(args.steps):
                 if cuda:

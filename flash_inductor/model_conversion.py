@@ -1,7 +1,8 @@
 """What ``prepare`` does to the model: fp32 parameters and buffers become bf16, except
 normalization layers and modules the user keeps in fp32 (those get fp32 input/output casts) and
-the frequency tables of rotary position embeddings. The fp32 values of the cast parameters become
-their masters."""
+the frequency tables of rotary position embeddings. Linears, convolutions and attention layers made
+bf16 cast their inputs to bf16 (an fp32 model's fp32 inputs keep working). The fp32 values of the
+cast parameters become their masters."""
 
 import fnmatch
 import re
@@ -69,6 +70,8 @@ def convert_model(model, keep_fp32, held):
         for pname, p in module.named_parameters(recurse=False):
             if p.dtype != torch.float32:
                 continue
+            if isinstance(module, module_hooks.TAKE_INPUTS_AT_THEIR_WEIGHTS_DTYPE):
+                module_hooks.cast_inputs_to_weight_dtype_from(module)
             if sharded.is_sharded(p):
                 original = sharded.cast_parameter(p, torch.bfloat16)
             else:

@@ -8,6 +8,9 @@
   that loads the optimizer first: the error terms belong to the weights being loaded). Without it a
   loaded bf16 weight kept the old error term, a master that is neither the loaded value nor the
   old one.
+- Modules that multiply their inputs by their own weights (linears, convolutions, attention), whose
+  weights ``prepare`` cast to bf16, get floating inputs of other dtypes cast to their weights'
+  (``cast_inputs_to_weight_dtype``, a forward pre-hook), as autocast casts them.
 - With ``prepare(..., fp32_activations=True)``, embeddings return fp32 outputs, and refuse to run
   without autocast.
 
@@ -15,6 +18,7 @@ They are module-level functions and classes, so a prepared model pickles (``torc
 """
 
 import torch
+import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from flash_inductor import roles, sharded
@@ -23,6 +27,7 @@ from flash_inductor.formats import split_weights
 _LOADS_SPLIT_WEIGHTS = "_flashoptim_loads_split_weights"
 _LOADED = "_flashoptim_loaded_split_weights"  # between the two load hooks
 _FP32_ACTIVATIONS = "_flashoptim_fp32_activations"  # the module's name in the prepared model
+_CASTS_INPUTS = "_flashoptim_casts_inputs_to_weight_dtype"
 
 
 def _to_fp32(t):
@@ -50,6 +55,37 @@ class Fp32Forward:
 def keep_fp32_with_io_casts(module):
     if not isinstance(module.__dict__.get("forward"), Fp32Forward):
         module.forward = Fp32Forward(module)
+
+
+# Modules whose forward multiplies its inputs by its own weights. Once ``prepare`` has cast those to bf16,
+# an fp32 input (a vision model's pixel values, an audio model's features, continuous features)
+# fails the op's dtype check: the user's loop would have to change where autocast's would not.
+TAKE_INPUTS_AT_THEIR_WEIGHTS_DTYPE = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.MultiheadAttention)
+
+
+def cast_inputs_to_weight_dtype(module, args, kwargs):
+    """Forward pre-hook: floating tensor arguments of another dtype than the module's weights (bf16
+    after ``prepare``) cast to it, as autocast casts a linear's or a convolution's inputs (round to
+    nearest; the backward casts the gradient back). Inputs of the weights' dtype, the case inside a
+    prepared model, pass untouched."""
+    dtype = next(module.parameters()).dtype
+
+    def other(t):
+        return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
+
+    def cast(t):
+        return t.to(dtype) if other(t) else t
+
+    if not any(map(other, args)) and not any(map(other, kwargs.values())):
+        return None  # no new tuple: Dynamo's graph stays as it was without the hook
+    return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
+
+
+def cast_inputs_to_weight_dtype_from(module):
+    """Install ``cast_inputs_to_weight_dtype`` on ``module`` once."""
+    if not getattr(module, _CASTS_INPUTS, False):
+        module.register_forward_pre_hook(cast_inputs_to_weight_dtype, with_kwargs=True)
+        setattr(module, _CASTS_INPUTS, True)
 
 
 def embedding_output_to_fp32(module, args, output):

@@ -54,7 +54,9 @@ def prepare(
       ends in ``Norm`` (or ``Norm1d``/``2d``/``3d``) with parameters of its own that are all 1-D,
       such as Hugging Face's ``LlamaRMSNorm`` or ``T5LayerNorm``. fp32 buffers become bf16 too,
       except those of rotary embeddings (class name ending in ``RotaryEmbedding``), which compute
-      their angles in fp32. Already-bf16/fp16 models keep their dtype.
+      their angles in fp32. Linears, convolutions and ``nn.MultiheadAttention`` layers made bf16
+      cast floating inputs of other dtypes to bf16, as autocast would (an fp32 model's fp32 pixel
+      values or features keep working). Already-bf16/fp16 models keep their dtype.
     - Each bf16/fp16 parameter gets an error term: int8 for ``master_weight_bits=24``, int16 for
       32, none for None. An fp32 parameter's value becomes the master (nothing is lost).
     - Moment states are allocated as companded 8-bit codes with fp16 group scales

@@ -57,7 +57,8 @@ Only current scaling runs there (delayed scaling's and ``fp8_all_gather``'s per-
 have to enter the region as operands of its own); such linears stay bf16 with that reason.
 Every other matmul on a parameter (a slice of a 3-D expert weight, a parameter as the left or
 batched operand, ``torch._grouped_mm`` of a mixture of experts), in the graph or a region's body,
-is reported in bf16 with its reason.
+is reported in bf16 with its reason, and so is every convolution with a parameter (a vision or
+audio model's).
 
 Under FSDP2 with ``fp8_all_gather`` an eligible weight arrives already in e4m3 (an ``Fp8Weight``,
 ``flash_inductor/fp8_all_gather.py``); the rewrite is the same, and ``fp8_linear`` uses its e4m3 data
@@ -143,10 +144,14 @@ def _einsum_as_linear(node):
 
 
 # Matmuls that are not linears (as_linear) yet may take a parameter: each is reported, kept in bf16.
-MATMULS = {torch._grouped_mm: "grouped matmul (a mixture of experts' weights): FP8 grouped GEMMs are not supported",
-           torch.bmm: "batched matmul", torch.baddbmm: "batched matmul", torch.matmul: "matmul", operator.matmul: "matmul",
+MATMULS = {torch.bmm: "batched matmul", torch.baddbmm: "batched matmul", torch.matmul: "matmul", operator.matmul: "matmul",
            torch.mm: "matmul", torch.addmm: "matmul", torch.einsum: "einsum", torch.functional.einsum: "einsum",
            torch._C._nn.linear: "linear", torch.nn.functional.linear: "linear"}
+# Products with a parameter that are not GEMMs FP8 can take, whatever the operands' layout: the reason in full.
+UNSUPPORTED = {torch._grouped_mm: "grouped matmul (a mixture of experts' weights): FP8 grouped GEMMs are not supported",
+               **{conv: "convolution: torch has no FP8 convolution" for conv in (
+                   torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d,
+                   torch.conv_transpose3d)}}
 # Ops through which an operand is still the parameter's values (a view, a slice, a copy in another dtype).
 _SAME_VALUES = {"t", "transpose", "permute", "view", "reshape", "flatten", "contiguous", "clone", "to", "float", "bfloat16",
                 "__getitem__", "select", "narrow", "expand", "unsqueeze", "squeeze"}
@@ -186,18 +191,18 @@ def _unsupported_matmuls(gm, ctx, decided):
 
 
 def _unsupported_matmul(node, ctx, decided, region_operands):
-    what = MATMULS.get(node.target) if node.op == "call_function" else None
-    if what is not None and node not in decided:
-        for operand in [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]:
-            param = parameter_behind(operand, ctx, region_operands)
-            if param is None:
-                continue
-            shape = tuple(param.meta["example_value"].shape) if "example_value" in param.meta else "?"
-            detail = what if node.target is torch._grouped_mm else (
-                f"{what} with the parameter (shape {shape}) or a view or slice of it as an operand, not as a linear's "
-                "2-D weight")
-            yield graph_utils.input_name(param), detail
-            return
+    if node.op != "call_function" or node in decided or (node.target not in MATMULS and node.target not in UNSUPPORTED):
+        return
+    for operand in [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]:
+        param = parameter_behind(operand, ctx, region_operands)
+        if param is None:
+            continue
+        shape = tuple(param.meta["example_value"].shape) if "example_value" in param.meta else "?"
+        detail = UNSUPPORTED.get(node.target) or (
+            f"{MATMULS[node.target]} with the parameter (shape {shape}) or a view or slice of it as an operand, not as "
+            "a linear's 2-D weight")
+        yield graph_utils.input_name(param), detail
+        return
 
 
 # Elementwise ops with no other tensor operand that logits pass through (Gemma 2's soft-capping:

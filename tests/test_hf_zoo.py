@@ -3,7 +3,9 @@ configs, ``compiler="eager"``: the passes, not kernels). Each one here once fail
 Falcon writes a linear's output in place (``mlp_output += attention_output``: the FP8 pass was
 skipped), Bloom's GELU is an ``autograd.Function`` (its body, a GraphModule attribute, broke fake
 propagation, so the step failed to compile), and Mixtral's experts are grouped matmuls on 3-D
-parameters (missing from the report). Skipped without ``transformers``."""
+parameters (missing from the report). ResNet and Whisper take fp32 inputs (pixel values, mel
+features) into convolutions whose weights ``prepare`` made bf16: they failed torch's dtype check;
+ResNet's BatchNorm2d layers stay fp32. Skipped without ``transformers``."""
 
 import math
 
@@ -15,15 +17,23 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 OUTPUT_LAYER = {"bf16: the output layer: the loss reads its output (fp8_output_layer=True puts it in FP8)": 1}
-# FP8 linears of each tiny model, and what stays bf16 (with its reason) and how often
+CONVOLUTION = "bf16: convolution: torch has no FP8 convolution"
+# FP8 linears of each tiny model, what stays bf16 (with its reason) and how often, and the most bytes
+# per parameter memory_report may give (a tiny ResNet's tensors are mostly under min_quantized_numel:
+# fp32 states)
 EXPECTED = {
-    "falcon": (8, OUTPUT_LAYER),
-    "bloom": (8, OUTPUT_LAYER),
+    "falcon": (8, OUTPUT_LAYER, 7.5),
+    "bloom": (8, OUTPUT_LAYER, 7.5),
     "mixtral": (8, {
         "bf16: weight 4x64: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)": 2,  # routers
         **OUTPUT_LAYER,
         "bf16: grouped matmul (a mixture of experts' weights): FP8 grouped GEMMs are not supported": 4,
-    }),
+    }, 7.5),
+    "resnet": (0, {
+        "bf16: weight 10x64: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)": 1,  # classifier
+        CONVOLUTION: 9,
+    }, 14),
+    "whisper": (32, {**OUTPUT_LAYER, CONVOLUTION: 2}, 7.5),
 }
 
 
@@ -45,8 +55,8 @@ def test_each_architecture_trains_like_the_stock_step_with_its_linears_in_fp8(zo
         assert r["pass_failed"] == [] and r["other_graph_breaks"] == [], row
         # bf16 weights (and FP8 GEMMs) against fp32 over three steps of lr 1e-3: well within 1%
         assert all(math.isclose(a, b, rel_tol=0.01) for a, b in zip(r["losses"], stock)), (row, r["losses"], stock)
-        assert r["bytes_per_param"] < 7.5
-    fp8, bf16 = EXPECTED[name]
+        assert r["bytes_per_param"] < EXPECTED[name][2]
+    fp8, bf16, _ = EXPECTED[name]
     assert (rows["flashoptim_fp8"]["fp8"], rows["flashoptim_fp8"]["bf16"]) == (fp8, bf16)
     assert rows["flashoptim"]["fp8"] == 0
 

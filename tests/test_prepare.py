@@ -148,6 +148,57 @@ def test_rotary_frequencies_stay_fp32_and_other_buffers_become_bf16():
     assert (positions[-1] * (rounded - original["rotary"].inv_freq)).abs().max() > 0.1  # what bf16 would cost
 
 
+# A layer that multiplies its inputs by its own weights, and its fp32 inputs: (args, kwargs).
+LAYERS_TAKING_INPUTS = {
+    "linear": (lambda: nn.Linear(16, 32), lambda: ((torch.randn(4, 16),), {})),
+    "bilinear": (lambda: nn.Bilinear(16, 8, 32), lambda: ((torch.randn(4, 16), torch.randn(4, 8)), {})),
+    "conv1d": (lambda: nn.Conv1d(3, 16, 3), lambda: ((torch.randn(2, 3, 20),), {})),
+    "conv2d": (lambda: nn.Conv2d(3, 16, 3, padding=1), lambda: ((torch.randn(2, 3, 8, 8),), {})),
+    "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 16, 3, stride=2),
+                         lambda: ((torch.randn(2, 3, 8, 8),), {"output_size": [18, 18]})),
+    "attention": (lambda: nn.MultiheadAttention(16, 4, batch_first=True),
+                  lambda: ((torch.randn(2, 5, 16),) * 3, {"attn_mask": torch.randn(5, 5)})),
+}
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+@pytest.mark.parametrize("layer", LAYERS_TAKING_INPUTS)
+def test_an_fp32_models_layers_take_fp32_inputs_cast_as_autocast_casts_them(layer):
+    """After ``prepare`` an fp32 model's linears, convolutions and attention still take fp32 inputs
+    (a vision model's pixel values, an audio model's features; they failed torch's dtype check
+    against the bf16 weights): cast to bf16 on the way in, as autocast casts them, the outputs and
+    the fp32 inputs' gradients are those of the bf16 layer fed the rounded inputs, bit for bit."""
+    make, inputs = LAYERS_TAKING_INPUTS[layer]
+    torch.manual_seed(0)
+    module = make()
+    bf16_layer = copy.deepcopy(module).bfloat16()
+    flash_inductor.prepare(module, torch.optim.AdamW(module.parameters(), lr=1e-3), compile_options=EAGER)
+    args, kwargs = inputs()
+    args = [a.clone().requires_grad_() for a in args]
+    rounded = [a.detach().bfloat16().requires_grad_() for a in args]
+    rounded_kwargs = {k: v.bfloat16() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    out, expected = _first(module(*args, **kwargs)), _first(bf16_layer(*rounded, **rounded_kwargs))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    for a, r in zip(args, rounded):
+        assert a.grad.dtype == torch.float32 and torch.equal(a.grad, r.grad.float())
+    # bf16 inputs, the case inside a prepared model, run as they are
+    assert torch.equal(_first(module(*rounded, **rounded_kwargs)), expected)
+
+
+def test_an_already_bf16_model_is_left_to_cast_its_own_inputs():
+    """Only layers ``prepare`` cast cast their inputs: a model the user made bf16 runs as it did."""
+    model = nn.Conv2d(3, 8, 3).bfloat16()
+    flash_inductor.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), compile_options=EAGER)
+    with pytest.raises(RuntimeError, match="should be the same"):
+        model(torch.randn(1, 3, 8, 8))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_models_keep_their_dtype_and_gain_masters(dtype):
     torch.manual_seed(0)
