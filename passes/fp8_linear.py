@@ -7,6 +7,8 @@ Before (Dynamo graph of a model with an ``nn.Linear(4096, 4096)`` named ``fc1``,
     matmul = x @ head_weight.T                      # also: F.linear, x @ w.t()
     conv1d = torch.addmm(c_attn_bias, x2, c_attn_weight)   # also: x @ w, matmul(x, w), mm(x, w),
                                                     # einsum("...k,kn->...n", x, w) (or "...k,nk->...n")
+    attn = torch.nn.functional.multi_head_attention_forward(x3, x3, x3, 64, 4, attn_in_proj_weight, ...,
+        attn_out_proj_weight, ...)                  # an nn.MultiheadAttention: one node, its weights operands
 
 After::
 
@@ -14,6 +16,8 @@ After::
     matmul = flash_inductor.fp8_linear.fp8_linear(x, head_weight, None)
     t = c_attn_weight.t()
     conv1d = flash_inductor.fp8_linear.fp8_linear(x2, t, c_attn_bias)
+    attn = flash_inductor.multi_head_attention.fp8_multi_head_attention_forward(x3, x3, x3, 64, 4, ...,
+        fp8_weights=("in_proj_weight", "out_proj_weight"), fp8_options={"power_of_two": False})
 
 ``fp8_linear`` is an autograd function of plain ops (e4m3 forward, e5m2 gradients, per-tensor
 scaling: ``flash_inductor/fp8_linear.py``); AOTAutograd traces its backward and Inductor fuses the
@@ -55,6 +59,13 @@ so the input graph is left as it was::
 
 Only current scaling runs there (delayed scaling's and ``fp8_all_gather``'s per-layer state would
 have to enter the region as operands of its own); such linears stay bf16 with that reason.
+An ``nn.MultiheadAttention`` (torch's ``nn.Transformer`` layers, OpenCLIP) reaches the graph as one
+call of ``F.multi_head_attention_forward``; each of its projection weights is decided as a linear's,
+and the call becomes ``fp8_multi_head_attention_forward`` (``flash_inductor/multi_head_attention.py``,
+the same function written with ``fp8_linear`` for the weights decided FP8). Layers with
+``add_bias_kv`` or ``add_zero_attn``, and delayed scaling or ``fp8_all_gather``, stay with torch's
+function, their weights reported in bf16 with the reason.
+
 Every other matmul on a parameter (a slice of a 3-D expert weight, a parameter as the left or
 batched operand, ``torch._grouped_mm`` of a mixture of experts), in the graph or a region's body,
 is reported in bf16 with its reason, and so is every convolution with a parameter (a vision or
@@ -71,7 +82,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from flash_inductor import fp8_delayed, graph_utils
+from flash_inductor import fp8_delayed, graph_utils, multi_head_attention
 from flash_inductor.formats.fp8_weight import Fp8Weight
 from flash_inductor.fp8_linear import fp8_linear, ineligible_reason, padded_shape
 
@@ -321,10 +332,45 @@ def _linears(gm):
                 yield body, node, linear, operands.get(linear[1], linear[1])
 
 
+def _attentions(gm):
+    """``(body, node, arguments, weights)`` for each ``F.multi_head_attention_forward`` call (an
+    ``nn.MultiheadAttention``) of ``gm`` and of its regions' bodies: its arguments by name, and
+    ``{argument: graph input}`` for the weights its projections multiply by."""
+    for body, module, operands in _regions(gm):
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target is torch.nn.functional.multi_head_attention_forward:
+                arguments = multi_head_attention.SIGNATURE.bind(*node.args, **node.kwargs).arguments
+                weights = {k: operands.get(arguments[k], arguments[k]) for k in multi_head_attention.WEIGHTS
+                           if isinstance(arguments.get(k), fx.Node)}
+                yield body, node, arguments, weights
+
+
+def _decide_attention(arguments, weights, ctx):
+    """``{argument: reason or None}`` for an ``nn.MultiheadAttention``'s weights (None: in FP8)."""
+    reason = multi_head_attention.unsupported_reason(arguments)
+    if reason is None and (ctx.options.fp8 == "delayed" or ctx.options.fp8_all_gather):
+        reason = ("nn.MultiheadAttention runs in FP8 with current scaling only (fp8='tensorwise' or 'rowwise', "
+                  "without fp8_all_gather)")
+    tokens = _tokens(arguments["query"])
+    decisions = {}
+    for argument, weight in weights.items():
+        if reason is not None or weight.op not in ("placeholder", "get_attr"):
+            decisions[argument] = reason or "weight is not a parameter"
+        else:
+            decisions[argument] = _decide_weight(weight, OUT_IN, graph_utils.input_name(weight), ctx, tokens)
+    return decisions
+
+
+def _fp8_decision(ctx, weight, layout):
+    fp8_decision = {"delayed": "fp8 e4m3/e5m2, delayed scaling", "rowwise": "fp8 e4m3, row-wise scales"}.get(
+        ctx.options.fp8, "fp8 e4m3/e5m2")
+    return fp8_decision + _padding_note(weight, layout)
+
+
 def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]:
     if ctx.options.fp8 is None:
         return gm, []
-    eligible = []
+    eligible = []  # (body, node name, the weights an attention runs in FP8; None for a linear)
     decided = set()
     for body, node, linear, weight in _linears(gm):
         if not (isinstance(weight, fx.Node) and weight.op in ("placeholder", "get_attr")):
@@ -341,44 +387,69 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
             fp8_delayed.warn_missing_state(name)
             reason = "no delayed-scaling state (flash_inductor.prepare_fp8 makes it)"
         if ctx.recorder:
-            fp8_decision = {"delayed": "fp8 e4m3/e5m2, delayed scaling", "rowwise": "fp8 e4m3, row-wise scales"}.get(
-                ctx.options.fp8, "fp8 e4m3/e5m2")
-            if reason is None:
-                fp8_decision += _padding_note(weight, layout)
-            decision = fp8_decision if reason is None else f"bf16: {reason}"
+            decision = _fp8_decision(ctx, weight, layout) if reason is None else f"bf16: {reason}"
             if isinstance(weight, fx.Node) and isinstance(weight.meta.get("example_value"), Fp8Weight):
                 decision += ", weight all-gathered in e4m3" if reason is None else " (on the e4m3-gathered weight, dequantized)"
             ctx.recorder.decision("fp8_linear", name, decision)
         if reason is None:
-            eligible.append((body, node.name))
+            eligible.append((body, node.name, None))
+    for body, node, arguments, weights in _attentions(gm):
+        decided.add(node)
+        decisions = _decide_attention(arguments, weights, ctx)
+        if ctx.recorder:
+            for argument, reason in decisions.items():
+                decision = _fp8_decision(ctx, weights[argument], OUT_IN) if reason is None else f"bf16: {reason}"
+                ctx.recorder.decision("fp8_linear", graph_utils.input_name(weights[argument]), decision)
+        fp8_weights = tuple(argument for argument, reason in decisions.items() if reason is None)
+        if fp8_weights:
+            eligible.append((body, node.name, fp8_weights))
     if ctx.recorder:
         for name, reason in _unsupported_matmuls(gm, ctx, decided):
             ctx.recorder.decision("fp8_linear", name, f"bf16: {reason}")
     if not eligible:
         return gm, []
     gm = graph_utils.copy_graph_module(gm)
-    names_by_body = {}
-    for body, name in eligible:
-        names_by_body.setdefault(body, []).append(name)
+    rewrites_by_body = {}
+    for body, name, fp8_weights in eligible:
+        rewrites_by_body.setdefault(body, []).append((name, fp8_weights))
     bound = {}
-    for body, names in names_by_body.items():
+    for body, rewrites in rewrites_by_body.items():
         if body is not None:  # a copy of the region's body: the input graph's stays as it was
             setattr(gm, body, graph_utils.copy_graph_module(getattr(gm, body)))
         module = gm if body is None else getattr(gm, body)
         nodes = {n.name: n for n in module.graph.nodes}
-        for name in names:
-            _rewrite(gm, module.graph, nodes[name], ctx, bound)
+        for name, fp8_weights in rewrites:
+            if fp8_weights is None:
+                _rewrite(gm, module.graph, nodes[name], ctx, bound)
+            else:
+                _rewrite_attention(module.graph, nodes[name], fp8_weights, ctx)
         module.graph.lint()
         module.recompile()
-    return gm, [name if body is None else f"{body}.{name}" for body, name in eligible]
+    return gm, [name if body is None else f"{body}.{name}" for body, name, _ in eligible]
+
+
+def _fp8_options(ctx):
+    """``fp8_linear``'s keyword arguments of current scaling under ``ctx.options``."""
+    kwargs = {"rowwise": True} if ctx.options.fp8 == "rowwise" else {"power_of_two": ctx.options.fp8_power_of_two_scales}
+    if ctx.options.fp8_fast_accum:
+        kwargs["fast_accum"] = True
+    return kwargs
+
+
+def _rewrite_attention(graph, node, fp8_weights, ctx):
+    """Replace the ``F.multi_head_attention_forward`` call ``node`` by ``fp8_multi_head_attention_forward``,
+    its projections by ``fp8_weights`` in FP8."""
+    kwargs = {**node.kwargs, "fp8_weights": fp8_weights, "fp8_options": _fp8_options(ctx)}
+    with graph.inserting_before(node):
+        replacement = graph.call_function(multi_head_attention.fp8_multi_head_attention_forward, node.args, kwargs)
+    node.replace_all_uses_with(replacement)
+    graph.erase_node(node)
 
 
 def _rewrite(gm, graph, node, ctx, bound):
     """Replace the linear ``node`` of ``graph`` (``gm``'s or a checkpointed region's) by ``fp8_linear``."""
     x, weight, bias, layout = as_linear(node)
-    kwargs = {"rowwise": True} if ctx.options.fp8 == "rowwise" else {"power_of_two": ctx.options.fp8_power_of_two_scales}
-    if ctx.options.fp8_fast_accum:
-        kwargs["fast_accum"] = True
+    kwargs = _fp8_options(ctx)
     if ctx.options.fp8 == "delayed":  # never in a region's body (fp8_linear_pass)
         kwargs.update(_bind_delayed_state(gm, weight, graph_utils.input_name(weight), ctx, bound))
     with graph.inserting_before(node):

@@ -494,6 +494,60 @@ def test_a_checkpointed_region_recomputes_its_fp8_linears_in_the_backward():
     assert gemms == {False: [3, 5], True: [3, 7]}, gemms
 
 
+class Attentions(nn.Module):
+    """torch's ``nn.MultiheadAttention`` three ways: self-attention (one stacked in-projection; no
+    attention weights asked: SDPA), cross-attention with other key/value dims (separate projection
+    weights) returning its attention weights, and one with ``add_bias_kv``, left to torch's function."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(64, 4, batch_first=True)
+        self.cross = nn.MultiheadAttention(64, 4, kdim=32, vdim=32, batch_first=True)
+        self.biased = nn.MultiheadAttention(64, 4, add_bias_kv=True, batch_first=True)
+
+    def forward(self, x, memory):
+        a = self.self_attn(x, x, x, need_weights=False)[0]
+        b, weights = self.cross(x, memory, memory)
+        return a, b, weights, self.biased(x, x, x, need_weights=False)[0]
+
+
+def test_multi_head_attention_projections_run_in_fp8_like_bf16():
+    """Dynamo keeps ``F.multi_head_attention_forward`` as one node, the weights its operands: the pass
+    replaces it by ``fp8_multi_head_attention_forward`` (``flash_inductor/multi_head_attention.py``),
+    whose projections are ``fp8_linear``; every weight's decision is reported (they were missing)."""
+    torch.manual_seed(0)
+    model = Attentions().bfloat16()
+    reference = copy.deepcopy(model)
+    x, memory = torch.randn(2, 16, 64, dtype=torch.bfloat16), torch.randn(2, 24, 32, dtype=torch.bfloat16)
+    graph = flash_inductor.inspect(flash_inductor.compile(model, **FP8_ALL), x, memory).graph("model")
+    torch._dynamo.reset()
+    biased = "bf16: nn.MultiheadAttention with add_bias_kv or add_zero_attn"
+    assert [(subject, decision) for _, subject, decision in graph.decisions] == [
+        ("self_attn.in_proj_weight", "fp8 e4m3/e5m2"), ("self_attn.out_proj.weight", "fp8 e4m3/e5m2"),
+        ("cross.q_proj_weight", "fp8 e4m3/e5m2"), ("cross.k_proj_weight", "fp8 e4m3/e5m2"),
+        ("cross.v_proj_weight", "fp8 e4m3/e5m2"), ("cross.out_proj.weight", "fp8 e4m3/e5m2"),
+        ("biased.in_proj_weight", biased), ("biased.out_proj.weight", biased),
+    ]
+    code = next(s.code for s in graph.stages if s.name == "fp8_linear")
+    assert code.count("fp8_multi_head_attention_forward(") == 2 and code.count("multi_head_attention_forward(") == 3
+    outs, refs = flash_inductor.compile(model, **FP8_ALL)(x, memory), reference(x, memory)
+    grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+    torch.autograd.backward(refs, grads)
+    # Two FP8 GEMMs in a chain with the attention between them, whose softmax amplifies the
+    # projections' errors: an FP8 MLP of two linears (64 -> 192 -> 64) gives 25.3 dB here, the first
+    # weight's gradient 21.3 dB; these give 23.4-24.3 dB, and 20.0-20.7 dB for the in-projections,
+    # whose gradients passed two e5m2 casts (about 23 dB each), so their bars are lower than one GEMM's.
+    for out, ref in zip(outs[:3], refs[:3]):
+        assert out.shape == ref.shape and out.dtype == torch.bfloat16 and _sqnr(ref, out) >= 22
+    assert torch.equal(outs[3], refs[3])
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if name.startswith("biased"):
+            assert torch.equal(p.grad, q.grad), name
+        else:
+            assert _sqnr(q.grad, p.grad) >= (20 if "out_proj" in name or "bias" in name else 18), name
+
+
 class OtherParameterMatmuls(nn.Module):
     """Matmuls on parameters that are not a linear's 2-D weight: a slice of a 3-D expert weight, a
     parameter as the left operand, a batched matmul, a grouped matmul (Hugging Face's default for

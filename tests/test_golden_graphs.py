@@ -42,6 +42,12 @@ def without_comments(code):
     return "\n".join(line.rstrip() for line in code.splitlines() if line.strip() and not line.strip().startswith("#"))
 
 
+def fp8_linear_code(fn, options, *args):
+    """The model graph of ``fn(*args)`` compiled with ``options``, as the ``fp8_linear`` pass left it."""
+    report = flash_inductor.inspect(flash_inductor.compile(fn, **options), *args)
+    return without_comments(next(s.code for s in report.graph("model").stages if s.name == "fp8_linear"))
+
+
 class TestGoldenGraphs(expecttest.TestCase):
     def test_sgdw_momentum_step(self):
         code = rewritten_code(lambda ps: SGDW(ps, lr=0.1, momentum=0.9, weight_decay=0.01), "split_weights")
@@ -263,9 +269,7 @@ class GraphModule(torch.nn.Module):
     def test_fp8_linear_with_delayed_scaling(self):
         """The layer's delayed-scaling buffers become inputs of the forward graph."""
         options = {"compiler": "eager", "fp8": "delayed", "fp8_min_weight_numel": 0, "fp8_history_length": 4}
-        report = flash_inductor.inspect(flash_inductor.compile(nn.Linear(32, 16, bias=False), **options), torch.randn(4, 32))
-        code = next(s.code for s in report.graph("model").stages if s.name == "fp8_linear")
-        self.assertExpectedInline(without_comments(code), """\
+        self.assertExpectedInline(fp8_linear_code(nn.Linear(32, 16, bias=False), options, torch.randn(4, 32)), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_fn_parameters_weight_: "f32[16, 32]cpu", L_args_0_: "f32[4, 32]cpu", weight_fp8_amax_history: "f32[2, 4]cpu", weight_fp8_scale: "f32[2]cpu", weight_fp8_grad_amax_history: "f32[1, 4]cpu", weight_fp8_grad_scale: "f32[1]cpu"):
         l_fn_parameters_weight_ = L_fn_parameters_weight_
@@ -276,9 +280,7 @@ class GraphModule(torch.nn.Module):
     def test_fp8_linear_with_rowwise_scales(self):
         """``fp8="rowwise"``: the call says so, and takes no per-tensor scaling options."""
         options = {"compiler": "eager", "fp8": "rowwise", "fp8_min_weight_numel": 0}
-        report = flash_inductor.inspect(flash_inductor.compile(nn.Linear(32, 16), **options), torch.randn(4, 32))
-        code = next(s.code for s in report.graph("model").stages if s.name == "fp8_linear")
-        self.assertExpectedInline(without_comments(code), """\
+        self.assertExpectedInline(fp8_linear_code(nn.Linear(32, 16), options, torch.randn(4, 32)), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_fn_parameters_weight_: "f32[16, 32]cpu", L_fn_parameters_bias_: "f32[16]cpu", L_args_0_: "f32[4, 32]cpu"):
         l_fn_parameters_weight_ = L_fn_parameters_weight_
@@ -286,6 +288,22 @@ class GraphModule(torch.nn.Module):
         l_args_0_ = L_args_0_
         fp8_linear: "f32[4, 16]cpu" = flash_inductor_fp8_linear_fp8_linear(l_args_0_, l_fn_parameters_weight_, l_fn_parameters_bias_, rowwise = True);  l_args_0_ = l_fn_parameters_weight_ = l_fn_parameters_bias_ = None
         return (fp8_linear,)""")
+
+    def test_fp8_multi_head_attention(self):
+        """``nn.MultiheadAttention``'s call, one node with the weights as operands, becomes
+        ``fp8_multi_head_attention_forward`` with the same arguments, naming the weights in FP8."""
+        options = {"compiler": "eager", "fp8": "tensorwise", "fp8_min_weight_numel": 0}
+        layer = nn.MultiheadAttention(32, 2, bias=False)
+        x = torch.randn(4, 1, 32)
+        self.assertExpectedInline(fp8_linear_code(lambda t: layer(t, t, t, need_weights=False)[0], options, x), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_t_: "f32[4, 1, 32]cpu", L_layer_parameters_in_proj_weight_: "f32[96, 32]cpu", L_layer_modules_out_proj_parameters_weight_: "f32[32, 32]cpu"):
+        l_t_ = L_t_
+        l_layer_parameters_in_proj_weight_ = L_layer_parameters_in_proj_weight_
+        l_layer_modules_out_proj_parameters_weight_ = L_layer_modules_out_proj_parameters_weight_
+        fp8_multi_head_attention_forward = flash_inductor_multi_head_attention_fp8_multi_head_attention_forward(l_t_, l_t_, l_t_, 32, 2, l_layer_parameters_in_proj_weight_, None, None, None, False, 0.0, l_layer_modules_out_proj_parameters_weight_, None, training = True, key_padding_mask = None, need_weights = False, attn_mask = None, average_attn_weights = True, is_causal = False, fp8_weights = ('in_proj_weight', 'out_proj_weight'), fp8_options = {'power_of_two': False});  l_t_ = l_layer_parameters_in_proj_weight_ = l_layer_modules_out_proj_parameters_weight_ = None
+        attn_output: "f32[4, 1, 32]cpu" = fp8_multi_head_attention_forward[0];  fp8_multi_head_attention_forward = None
+        return (attn_output,)""")
 
     def test_fp8_linear_in_an_activation_checkpointed_region(self):
         """A linear inside ``torch.utils.checkpoint`` is rewritten in the region's body, its weight being
@@ -300,9 +318,7 @@ class GraphModule(torch.nn.Module):
                 return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
 
         options = {"compiler": "eager", "fp8": "tensorwise", "fp8_min_weight_numel": 0}
-        report = flash_inductor.inspect(flash_inductor.compile(Checkpointed(), **options), torch.randn(4, 32))
-        code = next(s.code for s in report.graph("model").stages if s.name == "fp8_linear")
-        self.assertExpectedInline(without_comments(code), """\
+        self.assertExpectedInline(fp8_linear_code(Checkpointed(), options, torch.randn(4, 32)), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_x_: "f32[4, 32]cpu", L_self_modules_inner_parameters_weight_: "f32[16, 32]cpu"):
         l_x_ = L_x_
