@@ -98,6 +98,13 @@ ARCHITECTURES = {
     "vit": lambda T, d: T.ViTForImageClassification(T.ViTConfig(
         hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
         num_attention_heads=d["heads"], image_size=d["image"], patch_size=d["patch"], num_labels=d["labels"])),
+    "siglip": lambda T, d: T.SiglipForImageClassification(T.SiglipConfig(  # an nn.MultiheadAttention pooling head
+        vision_config=dict(hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+                           num_attention_heads=d["heads"], image_size=d["image"], patch_size=d["patch"]),
+        text_config=dict(vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"],
+                         num_hidden_layers=1, num_attention_heads=d["heads"], bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0),
+        num_labels=d["labels"])),
     "resnet": lambda T, d: T.ResNetForImageClassification(T.ResNetConfig(  # BatchNorm2d
         embedding_size=d["hidden"] // 4, hidden_sizes=[d["hidden"] // 2 ** (d["layers"] - 1 - i) for i in range(d["layers"])],
         depths=[1] * d["layers"], num_labels=d["labels"])),
@@ -111,7 +118,7 @@ ARCHITECTURES = {
         max_target_positions=max(64, d["seq"]), pad_token_id=0, bos_token_id=1, eos_token_id=2,
         decoder_start_token_id=1)),
 }
-IMAGE_MODELS = {"vit", "resnet", "convnext"}
+IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext"}
 AUDIO_MODELS = {"whisper"}
 ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs",
         "flashoptim+recompute", "flashoptim_fp8+recompute", "flashoptim_fp8+rowwise")
