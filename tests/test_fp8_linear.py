@@ -548,6 +548,27 @@ def test_multi_head_attention_projections_run_in_fp8_like_bf16():
             assert _sqnr(q.grad, p.grad) >= (20 if "out_proj" in name or "bias" in name else 18), name
 
 
+def test_a_transformer_layer_in_a_checkpointed_region_runs_its_attention_in_fp8():
+    """torch's ``nn.TransformerEncoderLayer`` under ``torch.utils.checkpoint``: the attention's call is
+    rewritten in the region's body too, its weights being operands of the region."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, activation="gelu", batch_first=True).bfloat16()
+    reference = copy.deepcopy(layer)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    compiled = flash_inductor.compile(lambda t: torch.utils.checkpoint.checkpoint(layer, t, use_reentrant=False), **FP8_ALL)
+    graph = flash_inductor.inspect(compiled, x).graph("model")
+    torch._dynamo.reset()
+    assert sorted(subject for _, subject, decision in graph.decisions if decision == "fp8 e4m3/e5m2") == [
+        "linear1.weight", "linear2.weight", "self_attn.in_proj_weight", "self_attn.out_proj.weight"]
+    out, ref = compiled(x), reference(x)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    assert _sqnr(ref, out) >= 25  # the residual stream carries most of the output
+    for (name, p), q in zip(layer.named_parameters(), reference.parameters()):
+        assert _sqnr(q.grad, p.grad) >= 20, name
+
+
 class OtherParameterMatmuls(nn.Module):
     """Matmuls on parameters that are not a linear's 2-D weight: a slice of a 3-D expert weight, a
     parameter as the left operand, a batched matmul, a grouped matmul (Hugging Face's default for
