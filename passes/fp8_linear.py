@@ -345,6 +345,14 @@ def _attentions(gm):
                 yield body, node, arguments, weights
 
 
+def _self_attention(arguments):
+    """Whether the call projects one batched input by the whole stacked weight (torch's function
+    unsqueezes an unbatched one into three tensors, and slices the weight)."""
+    query = arguments["query"]
+    return (query is arguments["key"] is arguments["value"] and isinstance(query, fx.Node)
+            and query.meta["example_value"].dim() == 3)
+
+
 def _decide_attention(arguments, weights, ctx):
     """``{argument: reason or None}`` for an ``nn.MultiheadAttention``'s weights (None: in FP8)."""
     reason = multi_head_attention.unsupported_reason(arguments)
@@ -358,6 +366,12 @@ def _decide_attention(arguments, weights, ctx):
             decisions[argument] = reason or "weight is not a parameter"
         else:
             decisions[argument] = _decide_weight(weight, OUT_IN, graph_utils.input_name(weight), ctx, tokens)
+        if argument == "in_proj_weight" and decisions[argument] is None and not _self_attention(arguments):
+            # Other attention multiplies by the weight's slices (q's, and k's and v's together or apart).
+            n, k = weight.meta["example_value"].shape
+            if any(padded_shape(rows, k) is None for rows in (n // 3, 2 * n // 3)):
+                decisions[argument] = (f"weight {n}x{k}: its q, k, v slices would need over 1% of padding to "
+                                       "multiples of 16")
     return decisions
 
 

@@ -548,6 +548,26 @@ def test_multi_head_attention_projections_run_in_fp8_like_bf16():
             assert _sqnr(q.grad, p.grad) >= (20 if "out_proj" in name or "bias" in name else 18), name
 
 
+def test_attention_whose_weight_slices_would_need_too_much_padding_stays_bf16():
+    """Embedding dim 682: the stacked 2046 x 682 weight pads to 2048 x 688 (0.99% more), so self-attention's
+    one GEMM runs in FP8; cross-attention multiplies by its 682- and 1364-row slices, which would need
+    more than 1%, so that layer stays with torch's function, and says why."""
+    torch.manual_seed(0)
+    layer = nn.MultiheadAttention(682, 2, batch_first=True).bfloat16()
+    x, memory = torch.randn(1, 16, 682, dtype=torch.bfloat16), torch.randn(1, 8, 682, dtype=torch.bfloat16)
+    decisions = {}
+    for kind, call in (("self", lambda t, m: layer(t, t, t)[0]), ("cross", lambda t, m: layer(t, m, m)[0])):
+        graph = flash_inductor.inspect(flash_inductor.compile(call, **FP8_ALL), x, memory).graph("model")
+        torch._dynamo.reset()
+        decisions[kind] = {subject: decision for _, subject, decision in graph.decisions}
+    out_proj = "bf16: weight 682x682: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)"
+    assert decisions == {
+        "self": {"in_proj_weight": "fp8 e4m3/e5m2, padded to 2048x688", "out_proj.weight": out_proj},
+        "cross": {"in_proj_weight": "bf16: weight 2046x682: its q, k, v slices would need over 1% of padding to "
+                                    "multiples of 16", "out_proj.weight": out_proj},
+    }
+
+
 def test_a_transformer_layer_in_a_checkpointed_region_runs_its_attention_in_fp8():
     """torch's ``nn.TransformerEncoderLayer`` under ``torch.utils.checkpoint``: the attention's call is
     rewritten in the region's body too, its weights being operands of the region."""
