@@ -349,8 +349,8 @@ def _self_attention(arguments):
     """Whether the call projects one batched input by the whole stacked weight (torch's function
     unsqueezes an unbatched one into three tensors, and slices the weight)."""
     query = arguments["query"]
-    return (query is arguments["key"] is arguments["value"] and isinstance(query, fx.Node)
-            and query.meta["example_value"].dim() == 3)
+    value = query.meta.get("example_value") if isinstance(query, fx.Node) else None
+    return query is arguments["key"] is arguments["value"] and isinstance(value, torch.Tensor) and value.dim() == 3
 
 
 def _decide_attention(arguments, weights, ctx):
