@@ -160,6 +160,7 @@ MATMULS = {torch.bmm: "batched matmul", torch.baddbmm: "batched matmul", torch.m
            torch._C._nn.linear: "linear", torch.nn.functional.linear: "linear"}
 # Products with a parameter that are not GEMMs FP8 can take, whatever the operands' layout: the reason in full.
 UNSUPPORTED = {torch._grouped_mm: "grouped matmul (a mixture of experts' weights): FP8 grouped GEMMs are not supported",
+               torch.bilinear: "bilinear (x1 W x2): no FP8 GEMM takes it",
                **{conv: "convolution: torch has no FP8 convolution" for conv in (
                    torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d,
                    torch.conv_transpose3d)}}

@@ -592,13 +592,16 @@ def test_a_transformer_layer_in_a_checkpointed_region_runs_its_attention_in_fp8(
 class OtherParameterMatmuls(nn.Module):
     """Matmuls on parameters that are not a linear's 2-D weight: a slice of a 3-D expert weight, a
     parameter as the left operand, a batched matmul, a grouped matmul (Hugging Face's default for
-    mixture-of-experts layers), and the parameter as the left operand again in a checkpointed region."""
+    mixture-of-experts layers), the parameter as the left operand again in a checkpointed region, a
+    bilinear form and a convolution."""
 
     def __init__(self):
         super().__init__()
         self.experts = nn.Parameter(torch.randn(4, 32, 64) * 0.1)
         self.left = nn.Parameter(torch.randn(16, 8) * 0.1)
         self.batched = nn.Parameter(torch.randn(2, 64, 32) * 0.1)
+        self.bilinear = nn.Parameter(torch.randn(4, 64, 64) * 0.1)
+        self.conv = nn.Parameter(torch.randn(8, 16, 3) * 0.1)
 
     def forward(self, x):
         a = F.linear(x, self.experts[1])
@@ -607,7 +610,9 @@ class OtherParameterMatmuls(nn.Module):
         offsets = torch.tensor([4, 8, 12, 16], dtype=torch.int32)
         d = torch._grouped_mm(x, self.experts.transpose(-2, -1), offs=offsets)
         e = torch.utils.checkpoint.checkpoint(lambda t: self.left @ t, x[:8, :16], use_reentrant=False)
-        return a.sum() + b.sum() + c.sum() + d.sum() + e.sum()
+        f = F.bilinear(x, x, self.bilinear)
+        g = F.conv1d(x.view(4, 16, 16), self.conv)
+        return a.sum() + b.sum() + c.sum() + d.sum() + e.sum() + f.sum() + g.sum()
 
 
 def test_every_other_matmul_on_a_parameter_is_reported_in_bf16_with_its_reason():
@@ -620,6 +625,8 @@ def test_every_other_matmul_on_a_parameter_is_reported_in_bf16_with_its_reason()
         ("left", "bf16: matmul " + view.format((16, 8))),
         ("batched", "bf16: batched matmul " + view.format((2, 64, 32))),
         ("experts", "bf16: grouped matmul (a mixture of experts' weights): FP8 grouped GEMMs are not supported"),
+        ("bilinear", "bf16: bilinear (x1 W x2): no FP8 GEMM takes it"),
+        ("conv", "bf16: convolution: torch has no FP8 convolution"),
         ("left", "bf16: matmul " + view.format((16, 8))),  # in the region's body
     ]
 
