@@ -161,6 +161,9 @@ MATMULS = {torch.bmm: "batched matmul", torch.baddbmm: "batched matmul", torch.m
 # Products with a parameter that are not GEMMs FP8 can take, whatever the operands' layout: the reason in full.
 UNSUPPORTED = {torch._grouped_mm: "grouped matmul (a mixture of experts' weights): FP8 grouped GEMMs are not supported",
                torch.bilinear: "bilinear (x1 W x2): no FP8 GEMM takes it",
+               # nn.TransformerEncoderLayer and nn.MultiheadAttention without autograd (eval, no_grad)
+               torch._transformer_encoder_layer_fwd: "nn.TransformerEncoderLayer's inference fast path: torch's fused op",
+               torch._native_multi_head_attention: "nn.MultiheadAttention's inference fast path: torch's fused op",
                **{conv: "convolution: torch has no FP8 convolution" for conv in (
                    torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d,
                    torch.conv_transpose3d)}}

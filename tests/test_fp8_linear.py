@@ -589,6 +589,15 @@ def test_a_transformer_layer_in_a_checkpointed_region_runs_its_attention_in_fp8(
         assert _sqnr(q.grad, p.grad) >= 20, name
 
 
+def test_a_transformer_layers_inference_fast_path_is_reported_in_bf16():
+    """In eval mode without autograd ``nn.TransformerEncoderLayer`` runs torch's fused op, one node
+    with every weight as an operand: nothing to rewrite, but the report says so."""
+    layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True).bfloat16().eval()
+    with torch.no_grad():
+        _, decisions = _inspected_fp8(layer, torch.randn(2, 16, 64, dtype=torch.bfloat16))
+    assert decisions == {"self_attn.in_proj_weight": "bf16: nn.TransformerEncoderLayer's inference fast path: torch's fused op"}
+
+
 class OtherParameterMatmuls(nn.Module):
     """Matmuls on parameters that are not a linear's 2-D weight: a slice of a 3-D expert weight, a
     parameter as the left operand, a batched matmul, a grouped matmul (Hugging Face's default for
