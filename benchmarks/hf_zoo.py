@@ -69,6 +69,11 @@ def _moe(config_class, model_class, experts_key, **extra):
     return _decoder(config_class, model_class, num_experts_per_tok=2, **{experts_key: 4}, **extra)
 
 
+def _stage_widths(d):
+    """Channels of a convolutional network's ``layers`` stages, doubling up to ``hidden``."""
+    return [d["hidden"] // 2 ** (d["layers"] - 1 - i) for i in range(d["layers"])]
+
+
 ARCHITECTURES = {
     "llama": _decoder("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": _decoder("Qwen2Config", "Qwen2ForCausalLM"),
@@ -106,10 +111,10 @@ ARCHITECTURES = {
                          pad_token_id=0),
         num_labels=d["labels"])),
     "resnet": lambda T, d: T.ResNetForImageClassification(T.ResNetConfig(  # BatchNorm2d
-        embedding_size=d["hidden"] // 4, hidden_sizes=[d["hidden"] // 2 ** (d["layers"] - 1 - i) for i in range(d["layers"])],
+        embedding_size=d["hidden"] // 4, hidden_sizes=_stage_widths(d),
         depths=[1] * d["layers"], num_labels=d["labels"])),
     "convnext": lambda T, d: T.ConvNextForImageClassification(T.ConvNextConfig(  # depthwise convolutions
-        num_stages=d["layers"], hidden_sizes=[d["hidden"] // 2 ** (d["layers"] - 1 - i) for i in range(d["layers"])],
+        num_stages=d["layers"], hidden_sizes=_stage_widths(d),
         depths=[1] * d["layers"], num_labels=d["labels"])),
     "whisper": lambda T, d: T.WhisperForConditionalGeneration(T.WhisperConfig(  # 1-D convolutions over mel features
         vocab_size=d["vocab"], d_model=d["hidden"], encoder_layers=d["layers"], decoder_layers=d["layers"],

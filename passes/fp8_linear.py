@@ -447,7 +447,8 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
 
 
 def _fp8_options(ctx):
-    """``fp8_linear``'s keyword arguments of current scaling under ``ctx.options``."""
+    """``fp8_linear``'s keyword arguments for the scaling ``ctx.options`` asks (delayed scaling's
+    per-weight state is bound on top, ``_rewrite``)."""
     kwargs = {"rowwise": True} if ctx.options.fp8 == "rowwise" else {"power_of_two": ctx.options.fp8_power_of_two_scales}
     if ctx.options.fp8_fast_accum:
         kwargs["fast_accum"] = True

@@ -286,10 +286,10 @@ def test_small_transformer_trains_with_fp8_gradients():
 FP8_ALL = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0)
 
 
-def _inspected_fp8(model, x):
+def _inspected_fp8(model, *inputs):
     """The model graph's inspection record under ``FP8_ALL`` and its decisions by subject; Dynamo
     is reset afterwards, so the model compiles again."""
-    graph = flash_inductor.inspect(flash_inductor.compile(model, **FP8_ALL), x).graph("model")
+    graph = flash_inductor.inspect(flash_inductor.compile(model, **FP8_ALL), *inputs).graph("model")
     torch._dynamo.reset()
     return graph, {subject: decision for _, subject, decision in graph.decisions}
 
@@ -519,8 +519,7 @@ def test_multi_head_attention_projections_run_in_fp8_like_bf16():
     model = Attentions().bfloat16()
     reference = copy.deepcopy(model)
     x, memory = torch.randn(2, 16, 64, dtype=torch.bfloat16), torch.randn(2, 24, 32, dtype=torch.bfloat16)
-    graph = flash_inductor.inspect(flash_inductor.compile(model, **FP8_ALL), x, memory).graph("model")
-    torch._dynamo.reset()
+    graph, _ = _inspected_fp8(model, x, memory)
     biased = "bf16: nn.MultiheadAttention with add_bias_kv or add_zero_attn"
     assert [(subject, decision) for _, subject, decision in graph.decisions] == [
         ("self_attn.in_proj_weight", "fp8 e4m3/e5m2"), ("self_attn.out_proj.weight", "fp8 e4m3/e5m2"),
@@ -555,11 +554,8 @@ def test_attention_whose_weight_slices_would_need_too_much_padding_stays_bf16():
     torch.manual_seed(0)
     layer = nn.MultiheadAttention(682, 2, batch_first=True).bfloat16()
     x, memory = torch.randn(1, 16, 682, dtype=torch.bfloat16), torch.randn(1, 8, 682, dtype=torch.bfloat16)
-    decisions = {}
-    for kind, call in (("self", lambda t, m: layer(t, t, t)[0]), ("cross", lambda t, m: layer(t, m, m)[0])):
-        graph = flash_inductor.inspect(flash_inductor.compile(call, **FP8_ALL), x, memory).graph("model")
-        torch._dynamo.reset()
-        decisions[kind] = {subject: decision for _, subject, decision in graph.decisions}
+    decisions = {kind: _inspected_fp8(call, x, memory)[1] for kind, call in (
+        ("self", lambda t, m: layer(t, t, t)[0]), ("cross", lambda t, m: layer(t, m, m)[0]))}
     out_proj = "bf16: weight 682x682: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)"
     assert decisions == {
         "self": {"in_proj_weight": "fp8 e4m3/e5m2, padded to 2048x688", "out_proj.weight": out_proj},
@@ -575,12 +571,13 @@ def test_a_transformer_layer_in_a_checkpointed_region_runs_its_attention_in_fp8(
     layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, activation="gelu", batch_first=True).bfloat16()
     reference = copy.deepcopy(layer)
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
-    compiled = flash_inductor.compile(lambda t: torch.utils.checkpoint.checkpoint(layer, t, use_reentrant=False), **FP8_ALL)
-    graph = flash_inductor.inspect(compiled, x).graph("model")
-    torch._dynamo.reset()
-    assert sorted(subject for _, subject, decision in graph.decisions if decision == "fp8 e4m3/e5m2") == [
+    def checkpointed(t):
+        return torch.utils.checkpoint.checkpoint(layer, t, use_reentrant=False)
+
+    _, decisions = _inspected_fp8(checkpointed, x)
+    assert sorted(subject for subject, decision in decisions.items() if decision == "fp8 e4m3/e5m2") == [
         "linear1.weight", "linear2.weight", "self_attn.in_proj_weight", "self_attn.out_proj.weight"]
-    out, ref = compiled(x), reference(x)
+    out, ref = flash_inductor.compile(checkpointed, **FP8_ALL)(x), reference(x)
     grad = torch.randn_like(out)
     out.backward(grad)
     ref.backward(grad)
