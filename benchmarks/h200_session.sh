@@ -134,7 +134,7 @@
 #              nn.TransformerEncoderLayer's attention projections as FP8 GEMMs),
 #              linears (forward + backward of the Llama's linears: bf16, ours tensorwise and row-wise, torchao's two
 #              recipes), speed (the Llama, is_causal, 40 steps: the baseline against FP8 + fast accumulation + cudagraphs,
-#              tensorwise and row-wise), profile (row-wise alone, 20 steps back to back, 3 profiled). SUFFIX names
+#              tensorwise and row-wise; PROFILE=N profiles N steps of each), profile (row-wise alone, 20 steps back to back, 3 profiled). SUFFIX names
 #              the logs of a rerun. Its loss over seeds: hfllamaseeds with
 #              RUNS="flashoptim_fp8+fastaccum+rowwise:0 ..." (the baselines of the same seeds are stored)
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
@@ -593,7 +593,7 @@ case $stage in
       speed)
         logged "hf_clients_llama_rowwise${SUFFIX:-}_h200" 560 hf_clients.py --model llama --attention is_causal \
           --configs baseline,flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+rowwise+fastaccum+cudagraphs \
-          --steps 40 --log-every 20 --pipelined 20 ;;
+          --steps 40 --log-every 20 --pipelined 20 --profile "${PROFILE:-0}" ;;
       profile)
         logged "hf_clients_llama_rowwise_profile${SUFFIX:-}_h200" 560 hf_clients.py --model llama \
           --attention is_causal --configs flashoptim_fp8+rowwise+fastaccum+cudagraphs --steps 20 --log-every 10 \
