@@ -13,7 +13,7 @@ Rows: ``stock`` (fp32 parameters, torch's AdamW, fused on CUDA, with bf16 autoca
 ``flashoptim+cudagraphs`` and ``flashoptim_fp8+cudagraphs`` (``cudagraphs=True``), ``flashoptim+recompute``
 and ``flashoptim_fp8+recompute`` (``recompute_elementwise=True``), ``flashoptim_fp8+rowwise`` (``fp8="rowwise"``).
 Every row trains on
-one fixed batch (random tokens; fp32 random images or mel features for the vision and audio models;
+one fixed batch (random tokens; fp32 random images, mel features or waveforms for the vision and audio models;
 the loss falls as the model memorizes it), dropout off, so the rows' losses are comparable step by
 step.
 
@@ -47,9 +47,9 @@ from flash_inductor.pipeline import PassFailed
 # bins by ``frames``; their inputs are fp32, as users load them.
 SIZES = {
     "tiny": dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, batch=2, seq=32,
-                 image=32, patch=8, labels=10, mel=16, frames=64),
+                 image=32, patch=8, labels=10, mel=16, frames=64, samples=4000),
     "small": dict(vocab=32000, hidden=1024, inter=2816, layers=4, heads=16, kv_heads=4, batch=4, seq=1024,
-                  image=224, patch=16, labels=1000, mel=80, frames=3000),
+                  image=224, patch=16, labels=1000, mel=80, frames=3000, samples=64000),
 }
 
 
@@ -122,9 +122,17 @@ ARCHITECTURES = {
         decoder_ffn_dim=d["inter"], num_mel_bins=d["mel"], max_source_positions=d["frames"] // 2,
         max_target_positions=max(64, d["seq"]), pad_token_id=0, bos_token_id=1, eos_token_id=2,
         decoder_start_token_id=1)),
+    # a weight-normed convolution (a parametrization) for its positions, CTC's loss; its feature encoder's
+    # default strides (5, 2, ..., 2: 320 samples a frame) at size small, two at size tiny (10 samples a frame)
+    "wav2vec2": lambda T, d: T.Wav2Vec2ForCTC(T.Wav2Vec2Config(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], pad_token_id=0, mask_time_prob=0.0, ctc_loss_reduction="mean",
+        **({} if d["samples"] > 10000 else dict(conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                                num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)))),
 }
 IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext"}
-AUDIO_MODELS = {"whisper"}
+AUDIO_MODELS = {"whisper"}  # mel features
+WAVEFORM_MODELS = {"wav2vec2"}
 ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs",
         "flashoptim+recompute", "flashoptim_fp8+recompute", "flashoptim_fp8+rowwise")
 DEFAULT_ROWS = ROWS[:3]
@@ -140,15 +148,16 @@ def build_model(name, size, device):
     for module in model.modules():  # dropout off: the rows compare step by step
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    for key, value in vars(model.config).items():
-        if "dropout" in key and isinstance(value, float):
+    for key, value in vars(model.config).items():  # layer drop too (wav2vec2's default is 0.1)
+        if ("dropout" in key or "layerdrop" in key) and isinstance(value, float):
             setattr(model.config, key, 0.0)
     return model.to(device)
 
 
 def fixed_batch(name, size, device):
     """The one batch every row of model ``name`` trains on: random tokens (their ids are also the
-    labels), or fp32 random images with random classes, or fp32 random mel features with random tokens."""
+    labels), or fp32 random images with random classes, or fp32 random mel features or waveforms with random
+    tokens."""
     d = SIZES[size]
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, d["vocab"], (d["batch"], d["seq"]), generator=gen)
@@ -157,6 +166,9 @@ def fixed_batch(name, size, device):
                      labels=torch.randint(0, d["labels"], (d["batch"],), generator=gen))
     elif name in AUDIO_MODELS:
         batch = dict(input_features=torch.randn(d["batch"], d["mel"], d["frames"], generator=gen), labels=ids)
+    elif name in WAVEFORM_MODELS:  # CTC's labels: fewer than the frames, none the blank (0)
+        batch = dict(input_values=torch.randn(d["batch"], d["samples"], generator=gen),
+                     labels=ids[:, :d["seq"] // 8].clamp(min=1))
     else:
         batch = dict(input_ids=ids, labels=ids)
     return {k: v.to(device) for k, v in batch.items()}
