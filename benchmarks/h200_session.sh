@@ -134,7 +134,8 @@
 #              nn.TransformerEncoderLayer's attention projections as FP8 GEMMs),
 #              linears (forward + backward of the Llama's linears: bf16, ours tensorwise and row-wise, torchao's two
 #              recipes), speed (the Llama, is_causal, 40 steps: the baseline against FP8 + fast accumulation + cudagraphs,
-#              tensorwise and row-wise; PROFILE=N profiles N steps of each), profile (row-wise alone, 20 steps back to back, 3 profiled). SUFFIX names
+#              tensorwise and row-wise; CONFIGS picks rows, LIMIT the seconds, PROFILE=N profiles N steps of each),
+#              profile (row-wise alone, 20 steps back to back, 3 profiled). SUFFIX names
 #              the logs of a rerun. Its loss over seeds: hfllamaseeds with
 #              RUNS="flashoptim_fp8+fastaccum+rowwise:0 ..." (the baselines of the same seeds are stored)
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
@@ -591,8 +592,8 @@ case $stage in
           --shapes 8192x2048x2048,8192x2048x5632,8192x5632x2048,4096x1024x1024 \
           --peers bf16,flashoptim_fast_accum,flashoptim_rowwise,flashoptim_rowwise_fast_accum,torchao,torchao_rowwise ;;
       speed)
-        logged "hf_clients_llama_rowwise${SUFFIX:-}_h200" 560 hf_clients.py --model llama --attention is_causal \
-          --configs baseline,flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+rowwise+fastaccum+cudagraphs \
+        logged "hf_clients_llama_rowwise${SUFFIX:-}_h200" "${LIMIT:-560}" hf_clients.py --model llama --attention is_causal \
+          --configs "${CONFIGS:-baseline,flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+rowwise+fastaccum+cudagraphs}" \
           --steps 40 --log-every 20 --pipelined 20 --profile "${PROFILE:-0}" ;;
       profile)
         logged "hf_clients_llama_rowwise_profile${SUFFIX:-}_h200" 560 hf_clients.py --model llama \

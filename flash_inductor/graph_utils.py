@@ -77,6 +77,16 @@ def input_name(node: fx.Node):
     return ".".join(reversed(parts)) if parts else node.name
 
 
+def is_buffer_input(node: fx.Node):
+    """Whether ``node`` is a module's buffer as Dynamo lifted it (its source reads ``_buffers``)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    while source is not None:
+        if getattr(getattr(source, "base", None), "member", None) == "_buffers":
+            return True
+        source = getattr(source, "base", None)
+    return False
+
+
 def python_name(text):
     """``text`` as a Python identifier (``fc1.weight`` -> ``fc1_weight``): placeholders become arguments."""
     name = re.sub(r"\W", "_", text)

@@ -78,6 +78,7 @@ and scale instead of casting it. The decision says so ("weight all-gathered in e
 
 import functools
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -326,14 +327,48 @@ def _regions(gm):
 
 
 def _linears(gm):
-    """``(body, node, linear, weight)`` for each linear of ``gm`` and of its regions' bodies
-    (``_regions``), ``weight`` being the graph input the linear multiplies by (a region's operand,
-    for a body's)."""
+    """``(body, node, linear, weight, operands)`` for each linear of ``gm`` and of its regions' bodies
+    (``_regions``), ``weight`` being what the linear multiplies by (for a body's, the region's operand
+    when it is one), ``operands`` the body's inputs' operands."""
     for body, module, operands in _regions(gm):
         for node in module.graph.nodes:
             linear = as_linear(node)
             if linear is not None:
-                yield body, node, linear, operands.get(linear[1], linear[1])
+                yield body, node, linear, operands.get(linear[1], linear[1]), operands
+
+
+def _is_input(node):
+    return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")
+
+
+def parameters_computing(weight, ctx, operands):
+    """The parameters ``weight`` is computed from, sorted by name, when only module state enters it
+    (parameters, buffers, constants): a parametrization's weight (``weight_norm``, ``spectral_norm``,
+    a LoRA merge), a cast or a slice of a parameter. None when an activation enters it, or no parameter."""
+    params, seen, todo = set(), set(), [weight]
+    while todo:
+        node = todo.pop()
+        node = operands.get(node, node)
+        if node in seen:
+            continue
+        seen.add(node)
+        if _is_input(node):
+            if isinstance(ctx.inputs.get(node.name), torch.nn.Parameter):
+                params.add(node)
+            elif node.op == "placeholder" and not graph_utils.is_buffer_input(node):
+                return None  # an activation (or a size) enters it
+            continue
+        todo.extend(node.all_input_nodes)
+    return sorted(params, key=graph_utils.input_name) or None
+
+
+def _computed_weight_name(params):
+    """The name a computed weight is decided and reported under: a parametrized module's attribute
+    (``fc1.weight`` for ``fc1.parametrizations.weight.original0`` and ``original1``), else its first
+    parameter's name."""
+    names = [graph_utils.input_name(p) for p in params]
+    owners = {re.sub(r"(^|\.)parametrizations\.(\w+)\.original\d*$", r"\1\2", name) for name in names}
+    return owners.pop() if len(owners) == 1 else names[0]
 
 
 def _attentions(gm):
@@ -390,13 +425,17 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
         return gm, []
     eligible = []  # (body, node name, the weights an attention runs in FP8; None for a linear)
     decided = set()
-    for body, node, linear, weight in _linears(gm):
-        if not (isinstance(weight, fx.Node) and weight.op in ("placeholder", "get_attr")):
-            continue  # an activation, or a view or slice of a parameter (reported with the other matmuls)
+    for body, node, linear, weight, operands in _linears(gm):
+        computed_from = None if _is_input(weight) else parameters_computing(weight, ctx, operands)
+        if not _is_input(weight) and computed_from is None:
+            continue  # an activation, or a product of one
         decided.add(node)
         layout = linear[3]
-        name = graph_utils.input_name(weight)
+        name = graph_utils.input_name(weight) if computed_from is None else _computed_weight_name(computed_from)
         reason = _decide(weight, layout, name, ctx, node, linear[0])
+        if reason is None and computed_from and (ctx.options.fp8 == "delayed" or ctx.options.fp8_all_gather):
+            reason = ("weight computed from parameters, where only fp8='tensorwise' or 'rowwise' without "
+                      "fp8_all_gather runs in FP8 (their state is a parameter's)")
         if reason is None and body is not None and (ctx.options.fp8 == "delayed" or ctx.options.fp8_all_gather):
             # Their per-layer state would have to enter the region as operands of its own.
             reason = ("in an activation-checkpointed region, where only fp8='tensorwise' without "
@@ -406,7 +445,9 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
             reason = "no delayed-scaling state (flash_inductor.prepare_fp8 makes it)"
         if ctx.recorder:
             decision = _fp8_decision(ctx, weight, layout) if reason is None else f"bf16: {reason}"
-            if isinstance(weight, fx.Node) and isinstance(weight.meta.get("example_value"), Fp8Weight):
+            if computed_from:
+                decision += ", weight computed from " + ", ".join(map(graph_utils.input_name, computed_from))
+            if isinstance(weight.meta.get("example_value"), Fp8Weight):
                 decision += ", weight all-gathered in e4m3" if reason is None else " (on the e4m3-gathered weight, dequantized)"
             ctx.recorder.decision("fp8_linear", name, decision)
         if reason is None:

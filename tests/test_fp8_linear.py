@@ -595,9 +595,72 @@ def test_a_transformer_layers_inference_fast_path_is_reported_in_bf16():
     assert decisions == {"self_attn.in_proj_weight": "bf16: nn.TransformerEncoderLayer's inference fast path: torch's fused op"}
 
 
+class ComputedWeights(nn.Module):
+    """Linears whose weights are computed from parameters alone: parametrizations (``weight_norm``, and
+    ``spectral_norm``, whose power iteration updates two buffers), a LoRA merge written out, a slice of
+    a 3-D expert weight; and one whose weight an activation scales (not a layer's weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.normed = torch.nn.utils.parametrizations.weight_norm(nn.Linear(64, 96))
+        self.spectral = torch.nn.utils.parametrizations.spectral_norm(nn.Linear(96, 64))
+        self.base = nn.Parameter(torch.randn(64, 64) * 0.1)
+        self.lora_a, self.lora_b = nn.Parameter(torch.randn(4, 64) * 0.1), nn.Parameter(torch.randn(64, 4) * 0.1)
+        self.experts = nn.Parameter(torch.randn(4, 64, 64) * 0.1)
+        self.gated = nn.Parameter(torch.randn(64, 64) * 0.1)
+
+    def forward(self, x):
+        h = self.spectral(F.gelu(self.normed(x)))
+        h = F.linear(h, self.base + self.lora_b @ self.lora_a)
+        h = F.linear(h, self.experts[2])
+        return h, F.linear(x, self.gated * x.mean())
+
+
+def test_linears_whose_weights_are_computed_from_parameters_run_in_fp8():
+    """A weight computed from module state only (parameters, buffers) is still a layer's weight: its
+    linear runs in FP8 and is reported under the weight's name, the gradients flowing back through
+    the computation to the parameters."""
+    torch.manual_seed(0)
+    model = ComputedWeights().bfloat16()
+    reference = copy.deepcopy(model)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    _, decisions = _inspected_fp8(model, x)
+    assert decisions == {
+        "normed.weight": "fp8 e4m3/e5m2, weight computed from normed.parametrizations.weight.original0, "
+                         "normed.parametrizations.weight.original1",
+        "spectral.weight": "fp8 e4m3/e5m2, weight computed from spectral.parametrizations.weight.original",
+        "base": "fp8 e4m3/e5m2, weight computed from base, lora_a, lora_b",
+        # the merge's own product lora_b @ lora_a, as x @ w
+        "lora_a": "bf16: weight 64x4: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)",
+        "experts": "fp8 e4m3/e5m2, weight computed from experts",
+    }
+    (out, gated), (ref, ref_gated) = flash_inductor.compile(model, **FP8_ALL)(x), reference(x)
+    # four FP8 GEMMs in a chain: each costs about 25 dB alone
+    assert _sqnr(ref, out) >= 20 and torch.equal(gated, ref_gated)
+    grad = torch.randn_like(out)
+    torch.autograd.backward((out, gated), (grad, torch.ones_like(gated)))
+    torch.autograd.backward((ref, ref_gated), (grad, torch.ones_like(gated)))
+    # 18.7-22.7 dB: the first weight's gradient has passed three e5m2 casts
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad) if name == "gated" else _sqnr(q.grad, p.grad) >= 17, name
+    for name, buffer in model.named_buffers():  # the power iteration's vectors
+        torch.testing.assert_close(buffer, dict(reference.named_buffers())[name], rtol=0.02, atol=0.02)
+
+
+def test_a_computed_weight_stays_bf16_under_delayed_scaling_whose_state_is_a_parameters():
+    model = torch.nn.utils.parametrizations.weight_norm(nn.Linear(64, 64)).bfloat16()
+    graph = flash_inductor.inspect(flash_inductor.compile(model, **{**FP8_ALL, "fp8": "delayed"}),
+                                   torch.randn(16, 64, dtype=torch.bfloat16)).graph("model")
+    torch._dynamo.reset()
+    assert {s: d for _, s, d in graph.decisions} == {"weight": (
+        "bf16: weight computed from parameters, where only fp8='tensorwise' or 'rowwise' without fp8_all_gather "
+        "runs in FP8 (their state is a parameter's), weight computed from parametrizations.weight.original0, "
+        "parametrizations.weight.original1")}
+
+
 class OtherParameterMatmuls(nn.Module):
-    """Matmuls on parameters that are not a linear's 2-D weight: a slice of a 3-D expert weight, a
-    parameter as the left operand, a batched matmul, a grouped matmul (Hugging Face's default for
+    """Matmuls on parameters that are not a linear's 2-D weight: a slice of a 3-D expert weight as a
+    matmul's right operand (stored (in, out): ``F.linear`` on a slice runs in FP8), a parameter as the left operand, a batched matmul, a grouped matmul (Hugging Face's default for
     mixture-of-experts layers), the parameter as the left operand again in a checkpointed region, a
     bilinear form and a convolution."""
 
@@ -610,7 +673,7 @@ class OtherParameterMatmuls(nn.Module):
         self.conv = nn.Parameter(torch.randn(8, 16, 3) * 0.1)
 
     def forward(self, x):
-        a = F.linear(x, self.experts[1])
+        a = x[:, :32] @ self.experts[1]
         b = self.left @ x[:8]
         c = torch.bmm(x.view(2, 8, 64), self.batched)
         offsets = torch.tensor([4, 8, 12, 16], dtype=torch.int32)
@@ -627,7 +690,7 @@ def test_every_other_matmul_on_a_parameter_is_reported_in_bf16_with_its_reason()
     graph, _ = _inspected_fp8(model, x)
     view = "with the parameter (shape {}) or a view or slice of it as an operand, not as a linear's 2-D weight"
     assert [(subject, decision) for _, subject, decision in graph.decisions] == [
-        ("experts", "bf16: linear " + view.format((4, 32, 64))),
+        ("experts", "bf16: matmul " + view.format((4, 32, 64))),
         ("left", "bf16: matmul " + view.format((16, 8))),
         ("batched", "bf16: batched matmul " + view.format((2, 64, 32))),
         ("experts", "bf16: grouped matmul (a mixture of experts' weights): FP8 grouped GEMMs are not supported"),
