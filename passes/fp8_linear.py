@@ -9,6 +9,8 @@ Before (Dynamo graph of a model with an ``nn.Linear(4096, 4096)`` named ``fc1``,
                                                     # einsum("...k,kn->...n", x, w) (or "...k,nk->...n")
     attn = torch.nn.functional.multi_head_attention_forward(x3, x3, x3, 64, 4, attn_in_proj_weight, ...,
         attn_out_proj_weight, ...)                  # an nn.MultiheadAttention: one node, its weights operands
+    norm = torch._weight_norm(fc2_parametrizations_weight_original1, fc2_parametrizations_weight_original0, 0)
+    linear_1 = torch._C._nn.linear(x4, norm, fc2_bias)   # a weight computed from parameters: weight_norm's
 
 After::
 
@@ -18,6 +20,8 @@ After::
     conv1d = flash_inductor.fp8_linear.fp8_linear(x2, t, c_attn_bias)
     attn = flash_inductor.multi_head_attention.fp8_multi_head_attention_forward(x3, x3, x3, 64, 4, ...,
         fp8_weights=("in_proj_weight", "out_proj_weight"), fp8_options={"power_of_two": False})
+    norm = torch._weight_norm(fc2_parametrizations_weight_original1, fc2_parametrizations_weight_original0, 0)
+    linear_1 = flash_inductor.fp8_linear.fp8_linear(x4, norm, fc2_bias)
 
 ``fp8_linear`` is an autograd function of plain ops (e4m3 forward, e5m2 gradients, per-tensor
 scaling: ``flash_inductor/fp8_linear.py``); AOTAutograd traces its backward and Inductor fuses the
@@ -33,7 +37,11 @@ become inputs of the graph, bound once per weight::
         amax_history=fc1_weight_fp8_amax_history, scale=fc1_weight_fp8_scale,
         grad_amax_history=fc1_weight_fp8_grad_amax_history, grad_scale=fc1_weight_fp8_grad_scale)
 
-A linear is eligible when its weight is a graph input (a parameter), both weight dims are
+A linear is eligible when its weight is a graph input (a parameter) or, for ``F.linear`` and ``x @ w.T``,
+computed from module state alone (parameters, buffers, constants: a parametrization such as
+``weight_norm``, ``spectral_norm`` or a LoRA merge, a cast or slice of a parameter; decided and
+reported under the parametrized attribute's name, ``fc2.weight``, or its first parameter's, with
+current scaling only, delayed scaling's state being a parameter's), both weight dims are
 multiples of 16 (``_scaled_mm``'s requirement) or zero padding to them adds at most 1% (an lm_head
 of 50257 rows; ``fp8_linear.padded_shape``), the weight has at least ``fp8_min_weight_numel``
 elements and its forward GEMM (tokens x in x out, the input's shape as compiled) at least

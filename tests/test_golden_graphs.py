@@ -289,6 +289,20 @@ class GraphModule(torch.nn.Module):
         fp8_linear: "f32[4, 16]cpu" = flash_inductor_fp8_linear_fp8_linear(l_args_0_, l_fn_parameters_weight_, l_fn_parameters_bias_, rowwise = True);  l_args_0_ = l_fn_parameters_weight_ = l_fn_parameters_bias_ = None
         return (fp8_linear,)""")
 
+    def test_fp8_linear_on_a_weight_norm_parametrization(self):
+        """The weight ``weight_norm`` computes from its two parameters is the FP8 linear's weight."""
+        options = {"compiler": "eager", "fp8": "tensorwise", "fp8_min_weight_numel": 0}
+        layer = nn.utils.parametrizations.weight_norm(nn.Linear(32, 16, bias=False))
+        self.assertExpectedInline(fp8_linear_code(layer, options, torch.randn(4, 32)), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_fn_modules_parametrizations_modules_weight_parameters_original0_: "f32[16, 1]cpu", L_fn_modules_parametrizations_modules_weight_parameters_original1_: "f32[16, 32]cpu", L_args_0_: "f32[4, 32]cpu"):
+        l_fn_modules_parametrizations_modules_weight_parameters_original0_ = L_fn_modules_parametrizations_modules_weight_parameters_original0_
+        l_fn_modules_parametrizations_modules_weight_parameters_original1_ = L_fn_modules_parametrizations_modules_weight_parameters_original1_
+        l_args_0_ = L_args_0_
+        x: "f32[16, 32]cpu" = torch._weight_norm(l_fn_modules_parametrizations_modules_weight_parameters_original1_, l_fn_modules_parametrizations_modules_weight_parameters_original0_, 0);  l_fn_modules_parametrizations_modules_weight_parameters_original1_ = l_fn_modules_parametrizations_modules_weight_parameters_original0_ = None
+        fp8_linear: "f32[4, 16]cpu" = flash_inductor_fp8_linear_fp8_linear(l_args_0_, x, None, power_of_two = False);  l_args_0_ = x = None
+        return (fp8_linear,)""")
+
     def test_fp8_multi_head_attention(self):
         """``nn.MultiheadAttention``'s call, one node with the weights as operands, becomes
         ``fp8_multi_head_attention_forward`` with the same arguments, naming the weights in FP8."""
