@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from flash_inductor.formats import fp8
 from flash_inductor.formats.fp8_weight import Fp8Weight
-from flash_inductor.fp8_linear import ineligible_reason
+from flash_inductor.fp8_linear import ineligible_reason, layer_weight
 
 _aten = torch.ops.aten
 # Ops whose result is the same shard, which FSDP2 and DTensor make when they pad, narrow, view and
@@ -177,9 +177,8 @@ def _fp8_linear_weights(model, opts):
     def walk(module, name, owner):
         if isinstance(module, FSDPModule):
             owner = module
-        weight = getattr(module, "weight", None)
-        if (isinstance(module, nn.Linear) and isinstance(weight, DTensor) and owner is not None
-                and ineligible_reason(weight, name, opts) is None):
+        weight = layer_weight(module)
+        if isinstance(weight, DTensor) and owner is not None and ineligible_reason(weight, name, opts) is None:
             yield owner, f"{name}.weight" if name else "weight", weight
         for child_name, child in module.named_children():
             yield from walk(child, f"{name}.{child_name}" if name else child_name, owner)

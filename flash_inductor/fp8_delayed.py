@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from flash_inductor.formats import fp8
-from flash_inductor.fp8_linear import ineligible_reason
+from flash_inductor.fp8_linear import ineligible_reason, layer_weight
 
 KEYS = ("amax_history", "scale", "grad_amax_history", "grad_scale")  # fp8_linear's keyword names
 _SUFFIXES = tuple(f"_fp8_{key}" for key in KEYS)
@@ -70,11 +70,12 @@ def add_state(model: nn.Module, opts):
     """
     new, seen = [], set()
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or ineligible_reason(module.weight, name, opts) is not None:
+        weight = layer_weight(module)
+        if weight is None or ineligible_reason(weight, name, opts) is not None:
             continue
-        if id(module.weight) in seen or _owner(module.weight) not in (None, module):
+        if id(weight) in seen or _owner(weight) not in (None, module):
             continue  # a weight shared by several layers: the first one holds its state
-        seen.add(id(module.weight))
+        seen.add(id(weight))
         existing = getattr(module, buffer_name("weight", "amax_history"), None)
         if existing is None:
             new.append(module)

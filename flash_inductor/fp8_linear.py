@@ -61,6 +61,15 @@ def ineligible_reason(weight, module_name, options, tokens=None):
     return refused_by_user(module_name, options)
 
 
+def layer_weight(module):
+    """The weight parameter of ``module`` when it is an ``nn.Linear`` whose weight is one, else None:
+    a parametrized weight (``weight_norm``, ``spectral_norm``) is computed at each access, so FP8
+    state kept per layer (delayed scaling, FP8 all-gather) has no parameter to follow."""
+    if not isinstance(module, torch.nn.Linear) or torch.nn.utils.parametrize.is_parametrized(module, "weight"):
+        return None
+    return module.weight
+
+
 def refused_by_user(module_name, options):
     """Why ``fp8_exclude`` or ``fp8_filter`` keep module ``module_name`` in bf16, or None."""
     if any(fnmatch.fnmatchcase(module_name, pattern) for pattern in options.fp8_exclude):

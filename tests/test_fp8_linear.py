@@ -648,7 +648,10 @@ def test_linears_whose_weights_are_computed_from_parameters_run_in_fp8():
 
 
 def test_a_computed_weight_stays_bf16_under_delayed_scaling_whose_state_is_a_parameters():
+    """``prepare_fp8`` gives a parametrized linear no state either (its weight is computed at each access)."""
     model = torch.nn.utils.parametrizations.weight_norm(nn.Linear(64, 64)).bfloat16()
+    flash_inductor.prepare_fp8(model, **{**FP8_ALL, "fp8": "delayed"})
+    assert list(model.buffers()) == []
     graph = flash_inductor.inspect(flash_inductor.compile(model, **{**FP8_ALL, "fp8": "delayed"}),
                                    torch.randn(16, 64, dtype=torch.bfloat16)).graph("model")
     torch._dynamo.reset()
@@ -660,9 +663,10 @@ def test_a_computed_weight_stays_bf16_under_delayed_scaling_whose_state_is_a_par
 
 class OtherParameterMatmuls(nn.Module):
     """Matmuls on parameters that are not a linear's 2-D weight: a slice of a 3-D expert weight as a
-    matmul's right operand (stored (in, out): ``F.linear`` on a slice runs in FP8), a parameter as the left operand, a batched matmul, a grouped matmul (Hugging Face's default for
-    mixture-of-experts layers), the parameter as the left operand again in a checkpointed region, a
-    bilinear form and a convolution."""
+    matmul's right operand (stored (in, out); ``F.linear`` on a slice runs in FP8), a parameter as the
+    left operand, a batched matmul, a grouped matmul (Hugging Face's default for mixture-of-experts
+    layers), the parameter as the left operand again in a checkpointed region, a bilinear form and a
+    convolution."""
 
     def __init__(self):
         super().__init__()
