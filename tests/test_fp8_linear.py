@@ -647,7 +647,7 @@ def test_linears_whose_weights_are_computed_from_parameters_run_in_fp8():
         torch.testing.assert_close(buffer, dict(reference.named_buffers())[name], rtol=0.02, atol=0.02)
 
 
-def test_a_computed_weight_stays_bf16_under_delayed_scaling_whose_state_is_a_parameters():
+def test_a_computed_weight_stays_bf16_under_delayed_scaling_and_gets_no_state():
     """``prepare_fp8`` gives a parametrized linear no state either (its weight is computed at each access)."""
     model = torch.nn.utils.parametrizations.weight_norm(nn.Linear(64, 64)).bfloat16()
     flash_inductor.prepare_fp8(model, **{**FP8_ALL, "fp8": "delayed"})
