@@ -41,7 +41,8 @@ A linear is eligible when its weight is a graph input (a parameter) or, for ``F.
 computed from module state alone (parameters, buffers, constants: a parametrization such as
 ``weight_norm``, ``spectral_norm`` or a LoRA merge, a cast or slice of a parameter; decided and
 reported under the parametrized attribute's name, ``fc2.weight``, or its first parameter's, with
-current scaling only, delayed scaling's state being a parameter's), both weight dims are
+current scaling only, delayed scaling's state being a parameter's; not when it is upcast, wider
+than its parameters: the model asks for that precision), both weight dims are
 multiples of 16 (``_scaled_mm``'s requirement) or zero padding to them adds at most 1% (an lm_head
 of 50257 rows; ``fp8_linear.padded_shape``), the weight has at least ``fp8_min_weight_numel``
 elements and its forward GEMM (tokens x in x out, the input's shape as compiled) at least
@@ -370,6 +371,24 @@ def parameters_computing(weight, ctx, operands):
     return sorted(params, key=graph_utils.input_name) or None
 
 
+_SHORT_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _decide_computed(weight, params, ctx):
+    """``(reason or None, what it runs in otherwise)`` for an otherwise eligible weight computed from
+    ``params``. One computed wider than every parameter it comes from stays as it is: the model asks
+    for that precision (DeepSeek's router multiplies by ``weight.float()``)."""
+    dtype = weight.meta["example_value"].dtype
+    widest = max((p.meta["example_value"].dtype for p in params), key=lambda d: d.itemsize)
+    if dtype.itemsize > widest.itemsize:
+        wide, narrow = _SHORT_NAMES.get(dtype, str(dtype)), _SHORT_NAMES.get(widest, str(widest))
+        return f"weight upcast from its {narrow} parameters: the model computes this product in {wide}", wide
+    if ctx.options.fp8 == "delayed" or ctx.options.fp8_all_gather:
+        return ("weight computed from parameters, where only fp8='tensorwise' or 'rowwise' without "
+                "fp8_all_gather runs in FP8 (their state is a parameter's)"), "bf16"
+    return None, "bf16"
+
+
 def _computed_weight_name(params):
     """The name a computed weight is decided and reported under: a parametrized module's attribute
     (``fc1.weight`` for ``fc1.parametrizations.weight.original0`` and ``original1``), else its first
@@ -441,9 +460,9 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
         layout = linear[3]
         name = graph_utils.input_name(weight) if computed_from is None else _computed_weight_name(computed_from)
         reason = _decide(weight, layout, name, ctx, node, linear[0])
-        if reason is None and computed_from and (ctx.options.fp8 == "delayed" or ctx.options.fp8_all_gather):
-            reason = ("weight computed from parameters, where only fp8='tensorwise' or 'rowwise' without "
-                      "fp8_all_gather runs in FP8 (their state is a parameter's)")
+        kept = "bf16"  # what the report says a linear not in FP8 runs in
+        if reason is None and computed_from:
+            reason, kept = _decide_computed(weight, computed_from, ctx)
         if reason is None and body is not None and (ctx.options.fp8 == "delayed" or ctx.options.fp8_all_gather):
             # Their per-layer state would have to enter the region as operands of its own.
             reason = ("in an activation-checkpointed region, where only fp8='tensorwise' without "
@@ -452,7 +471,7 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
             fp8_delayed.warn_missing_state(name)
             reason = "no delayed-scaling state (flash_inductor.prepare_fp8 makes it)"
         if ctx.recorder:
-            decision = _fp8_decision(ctx, weight, layout) if reason is None else f"bf16: {reason}"
+            decision = _fp8_decision(ctx, weight, layout) if reason is None else f"{kept}: {reason}"
             if computed_from:
                 decision += ", weight computed from " + ", ".join(map(graph_utils.input_name, computed_from))
             if isinstance(weight.meta.get("example_value"), Fp8Weight):

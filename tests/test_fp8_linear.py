@@ -598,7 +598,8 @@ def test_a_transformer_layers_inference_fast_path_is_reported_in_bf16():
 class ComputedWeights(nn.Module):
     """Linears whose weights are computed from parameters alone: parametrizations (``weight_norm``, and
     ``spectral_norm``, whose power iteration updates two buffers), a LoRA merge written out, a slice of
-    a 3-D expert weight; and one whose weight an activation scales (not a layer's weight)."""
+    a 3-D expert weight; one upcast to fp32 (a router's, as DeepSeek's: kept in fp32); and one whose
+    weight an activation scales (not a layer's weight)."""
 
     def __init__(self):
         super().__init__()
@@ -607,13 +608,14 @@ class ComputedWeights(nn.Module):
         self.base = nn.Parameter(torch.randn(64, 64) * 0.1)
         self.lora_a, self.lora_b = nn.Parameter(torch.randn(4, 64) * 0.1), nn.Parameter(torch.randn(64, 4) * 0.1)
         self.experts = nn.Parameter(torch.randn(4, 64, 64) * 0.1)
+        self.router = nn.Parameter(torch.randn(16, 64) * 0.1)
         self.gated = nn.Parameter(torch.randn(64, 64) * 0.1)
 
     def forward(self, x):
         h = self.spectral(F.gelu(self.normed(x)))
         h = F.linear(h, self.base + self.lora_b @ self.lora_a)
         h = F.linear(h, self.experts[2])
-        return h, F.linear(x, self.gated * x.mean())
+        return h, F.linear(x, self.gated * x.mean()) + F.linear(x.float(), self.router.float()).sum()
 
 
 def test_linears_whose_weights_are_computed_from_parameters_run_in_fp8():
@@ -633,6 +635,8 @@ def test_linears_whose_weights_are_computed_from_parameters_run_in_fp8():
         # the merge's own product lora_b @ lora_a, as x @ w
         "lora_a": "bf16: weight 64x4: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)",
         "experts": "fp8 e4m3/e5m2, weight computed from experts",
+        "router": "fp32: weight upcast from its bf16 parameters: the model computes this product in fp32, weight "
+                  "computed from router",
     }
     (out, gated), (ref, ref_gated) = flash_inductor.compile(model, **FP8_ALL)(x), reference(x)
     # four FP8 GEMMs in a chain: each costs about 25 dB alone
@@ -642,7 +646,7 @@ def test_linears_whose_weights_are_computed_from_parameters_run_in_fp8():
     torch.autograd.backward((ref, ref_gated), (grad, torch.ones_like(gated)))
     # 18.7-22.7 dB: the first weight's gradient has passed three e5m2 casts
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p.grad, q.grad) if name == "gated" else _sqnr(q.grad, p.grad) >= 17, name
+        assert torch.equal(p.grad, q.grad) if name in ("gated", "router") else _sqnr(q.grad, p.grad) >= 17, name
     for name, buffer in model.named_buffers():  # the power iteration's vectors
         torch.testing.assert_close(buffer, dict(reference.named_buffers())[name], rtol=0.02, atol=0.02)
 
