@@ -131,7 +131,7 @@
 #              fast accumulation + cudagraphs, each with and without recompute_elementwise: peak memory, speed)
 #   rowwise    issue 14: FP8 with row-wise scales (fp8="rowwise", torchao's "rowwise" recipe), by PART: tests (its GPU
 #              tests against the fp64 reference, CUDA graphs' steps with kept gradients and two backward passes a step,
-#              nn.TransformerEncoderLayer's attention projections as FP8 GEMMs),
+#              nn.TransformerEncoderLayer's attention projections as FP8 GEMMs; TESTS a -k selection),
 #              linears (forward + backward of the Llama's linears: bf16, ours tensorwise and row-wise, torchao's two
 #              recipes), speed (the Llama, is_causal, 40 steps: the baseline against FP8 + fast accumulation + cudagraphs,
 #              tensorwise and row-wise; CONFIGS picks rows, LIMIT the seconds, PROFILE=N profiles N steps of each),
@@ -584,7 +584,7 @@ case $stage in
     case ${PART:-tests} in
       tests)
         timeout 300 python -m pytest -v -m gpu tests/test_gpu.py \
-          -k "rowwise or cudagraphs_train_step or kept_zero or transposes_in_its_own_kernel or every_token_count or attention_projections" 2>&1 \
+          -k "${TESTS:-rowwise or cudagraphs_train_step or kept_zero or transposes_in_its_own_kernel or every_token_count or attention_projections}" 2>&1 \
           | grep -v "^DEBUG" > "$out/gpu_tests_rowwise${SUFFIX:-}_h200.log"
         tail -4 "$out/gpu_tests_rowwise${SUFFIX:-}_h200.log" ;;
       linears)

@@ -254,13 +254,14 @@ def is_tied_embedding(weight):
                for u in weight.users)
 
 
-def _decide(weight, layout, name, ctx, node, x):
-    """``None`` when the linear ``node`` of ``weight`` and input ``x`` is eligible, else why not."""
+def _decide(weight, layout, name, ctx, node, x, computed_from=None):
+    """``None`` when the linear ``node`` of ``weight`` and input ``x`` is eligible, else why not;
+    ``computed_from``: the parameters a computed weight comes from."""
     reason = _decide_weight(weight, layout, name, ctx, _tokens(x))
     if reason is None and not ctx.options.fp8_output_layer:
         if feeds_loss(node):
             return "the output layer: the loss reads its output (fp8_output_layer=True puts it in FP8)"
-        if is_tied_embedding(weight):
+        if any(map(is_tied_embedding, computed_from or [weight])):
             return "the output layer: its weight is the input embedding's (fp8_output_layer=True puts it in FP8)"
     return reason
 
@@ -459,7 +460,7 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
         decided.add(node)
         layout = linear[3]
         name = graph_utils.input_name(weight) if computed_from is None else _computed_weight_name(computed_from)
-        reason = _decide(weight, layout, name, ctx, node, linear[0])
+        reason = _decide(weight, layout, name, ctx, node, linear[0], computed_from)
         kept = "bf16"  # what the report says a linear not in FP8 runs in
         if reason is None and computed_from:
             reason, kept = _decide_computed(weight, computed_from, ctx)

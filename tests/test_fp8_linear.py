@@ -726,6 +726,23 @@ class TinyLM(nn.Module):
         return F.cross_entropy(self.head(h).float().flatten(0, 1), ids.flatten())
 
 
+class ScaledTiedLM(TinyLM):
+    """A head tied to the embedding through a computation (its table scaled), the logits returned."""
+
+    def forward(self, ids):
+        return self.hidden(self.embed(ids)) @ (self.embed.weight * 0.5).t()
+
+
+def test_a_head_computed_from_the_embeddings_table_is_the_output_layer_too():
+    graph = flash_inductor.inspect(flash_inductor.compile(ScaledTiedLM(tied=True), **FP8_ALL),
+                                   torch.randint(0, 64, (4, 16))).graph("model")
+    torch._dynamo.reset()
+    assert {s: d for _, s, d in graph.decisions} == {
+        "hidden.weight": "fp8 e4m3/e5m2",
+        "embed.weight": "bf16: the output layer: its weight is the input embedding's (fp8_output_layer=True puts it "
+                        "in FP8), weight computed from embed.weight"}
+
+
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "own head"])
 def test_the_output_layer_stays_bf16_unless_asked(tied):
     """The head whose logits the loss reads, or whose weight is the embedding's, stays bf16 by default
