@@ -351,7 +351,7 @@ def _is_input(node):
     return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")
 
 
-def parameters_computing(weight, ctx, operands):
+def _parameters_computing(weight, ctx, operands):
     """The parameters ``weight`` is computed from, sorted by name, when only module state enters it
     (parameters, buffers, constants): a parametrization's weight (``weight_norm``, ``spectral_norm``,
     a LoRA merge), a cast or a slice of a parameter. None when an activation enters it, or no parameter."""
@@ -380,7 +380,7 @@ def _decide_computed(weight, params, ctx):
     ``params``. One computed wider than every parameter it comes from stays as it is: the model asks
     for that precision (DeepSeek's router multiplies by ``weight.float()``)."""
     dtype = weight.meta["example_value"].dtype
-    widest = max((p.meta["example_value"].dtype for p in params), key=lambda d: d.itemsize)
+    widest = max((ctx.inputs[p.name].dtype for p in params), key=lambda d: d.itemsize)
     if dtype.itemsize > widest.itemsize:
         wide, narrow = _SHORT_NAMES.get(dtype, str(dtype)), _SHORT_NAMES.get(widest, str(widest))
         return f"weight upcast from its {narrow} parameters: the model computes this product in {wide}", wide
@@ -454,7 +454,7 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
     eligible = []  # (body, node name, the weights an attention runs in FP8; None for a linear)
     decided = set()
     for body, node, linear, weight, operands in _linears(gm):
-        computed_from = None if _is_input(weight) else parameters_computing(weight, ctx, operands)
+        computed_from = None if _is_input(weight) else _parameters_computing(weight, ctx, operands)
         if not _is_input(weight) and computed_from is None:
             continue  # an activation, or a product of one
         decided.add(node)

@@ -651,6 +651,26 @@ def test_linears_whose_weights_are_computed_from_parameters_run_in_fp8():
         torch.testing.assert_close(buffer, dict(reference.named_buffers())[name], rtol=0.02, atol=0.02)
 
 
+def test_weights_computed_inside_a_checkpointed_region_run_in_fp8():
+    """In a ``torch.utils.checkpoint`` region the computation's parameters are the region's operands."""
+    torch.manual_seed(0)
+    normed, experts = nn.utils.parametrizations.weight_norm(nn.Linear(64, 64)).bfloat16(), nn.Parameter(
+        torch.randn(2, 64, 64, dtype=torch.bfloat16) * 0.1)
+    model = nn.ModuleDict(dict(normed=normed))
+    model.experts = experts
+    def region(t):
+        return F.linear(model["normed"](t), model.experts[1])
+    def forward(t):
+        return torch.utils.checkpoint.checkpoint(region, t, use_reentrant=False)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    graph, decisions = _inspected_fp8(forward, x)
+    assert decisions == {
+        "normed.weight": "fp8 e4m3/e5m2, weight computed from normed.parametrizations.weight.original0, "
+                         "normed.parametrizations.weight.original1",
+        "experts": "fp8 e4m3/e5m2, weight computed from experts"}
+    assert next(s.code for s in graph.stages if s.name == "fp8_linear").count("fp8_linear(") == 2
+
+
 def test_a_computed_weight_stays_bf16_under_delayed_scaling_and_gets_no_state():
     """``prepare_fp8`` gives a parametrized linear no state either (its weight is computed at each access)."""
     model = torch.nn.utils.parametrizations.weight_norm(nn.Linear(64, 64)).bfloat16()
