@@ -369,10 +369,16 @@ def heldout_loss(setup, corpus, starts, seq, device):
 
 
 def first_step_recording_fp8(setup, x, y):
-    """Run the first step while recording the backend's FP8 decisions (which linears, and why not)."""
+    """Run the first step while recording the backend's FP8 decisions (which linears, and why not);
+    prints where its compile time went, graph by graph. Recording bypasses Inductor's FX graph and
+    AOT caches, so this step compiles every graph."""
     report = inspection.Report()
     with inspection.collecting(report):
         loss = setup.step(x, y)
+    for g in report.graphs:
+        if g.compile_seconds:
+            print(f"    {g.name} ({g.kind}) compile s: " + ", ".join(
+                f"{part} {seconds:.1f}" for part, seconds in g.compile_seconds.items()), flush=True)
     decisions = {subject: decision for g in report.graphs for p, subject, decision in g.decisions if p == "fp8_linear"}
     return loss, decisions
 

@@ -114,7 +114,8 @@ def rewrite(gm, example_inputs, options: Options) -> Rewritten:
     record = inspection.new_graph_record(name, "optimizer step" if is_step else "model", graph_roles, options)
     inputs = {node.name: tensor for node, tensor in roles.graph_input_tensors(gm, example_inputs).items()}
     ctx = PassContext(graph_roles, written, options, record, inputs)
-    new_gm, rewritten = run_torch_passes(gm, example_inputs, passes.TORCH_PASSES, ctx, name)
+    with inspection.timing(record, "passes"):
+        new_gm, rewritten = run_torch_passes(gm, example_inputs, passes.TORCH_PASSES, ctx, name)
     return Rewritten(new_gm, graph_utils.bound_inputs(new_gm), rewritten, ctx, name)
 
 

@@ -16,6 +16,7 @@ import inspect
 import logging
 import os
 import re
+import time
 
 import torch
 from torch._inductor.graph import GraphLowering
@@ -48,6 +49,8 @@ class GraphRecord:
     stages: list = dataclasses.field(default_factory=list)
     kernels: dict = dataclasses.field(default_factory=dict)  # subgraph -> generated code
     decisions: list = dataclasses.field(default_factory=list)  # (pass, subject, decision)
+    # wall seconds of the torch-level passes ("passes") and of Inductor's compile of each subgraph
+    compile_seconds: dict = dataclasses.field(default_factory=dict)
     subgraph: str = "dynamo"
     dump_dir: str | None = None
 
@@ -176,6 +179,9 @@ class Report:
         lines.insert(1, "  ".join("-" * w for w in widths))
         for g in self.graphs:
             lines.append(f"{g.name}: kernels generated: {', '.join(g.kernel_backends) or 'none'}")
+            if g.compile_seconds:
+                lines.append(f"{g.name}: compile seconds: " + ", ".join(
+                    f"{part} {seconds:.2f}" for part, seconds in g.compile_seconds.items()))
             lines += [f"{g.name}: {p}: {subject}: {decision}" for p, subject, decision in g.decisions]
         lines += [f"graph break at {b.location}: {b.headline}" for b in self.graph_breaks]
         for memory in self.memory:
@@ -229,8 +235,20 @@ def new_graph_record(name, kind, roles, options):
 
 
 @contextlib.contextmanager
+def timing(record, part):
+    """Add the wall seconds the block takes to ``record.compile_seconds[part]`` (nothing without a record)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if record is not None:
+            record.compile_seconds[part] = record.compile_seconds.get(part, 0.0) + time.perf_counter() - start
+
+
+@contextlib.contextmanager
 def compiling_subgraph(record, subgraph):
-    """Attribute aten-level stages and generated code to ``subgraph`` while Inductor compiles it."""
+    """Attribute aten-level stages, generated code and compile time to ``subgraph`` while Inductor
+    compiles it."""
     if record is None:
         yield
         return
@@ -239,7 +257,8 @@ def compiling_subgraph(record, subgraph):
     original = GraphLowering.save_output_code
     GraphLowering.save_output_code = staticmethod(record.add_kernel_code)
     try:
-        yield
+        with timing(record, subgraph):
+            yield
     finally:
         GraphLowering.save_output_code = original
         record.subgraph = previous

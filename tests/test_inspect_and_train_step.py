@@ -59,6 +59,11 @@ def test_report_has_forward_backward_and_one_optimizer_graph(inspected):
     assert {s.subgraph for s in report.graph("optimizer step").stages} == {"dynamo", "inference"}
     for g in report.graphs:
         assert g.kernel_backends == ["cpp"]
+    # where the first step's time went, per graph: the passes, then Inductor per subgraph
+    assert list(model_graph.compile_seconds) == ["passes", "forward", "backward"]
+    assert list(report.graph("optimizer step").compile_seconds) == ["passes", "inference"]
+    assert all(seconds > 0 for g in report.graphs for seconds in g.compile_seconds.values())
+    assert f"{model_graph.name}: compile seconds: passes " in report.summary()
 
 
 def test_report_shows_the_rewrite_with_dtypes(inspected):
