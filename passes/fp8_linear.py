@@ -392,11 +392,16 @@ def _decide_computed(weight, params, ctx):
 
 def _computed_weight_name(params):
     """The name a computed weight is decided and reported under: a parametrized module's attribute
-    (``fc1.weight`` for ``fc1.parametrizations.weight.original0`` and ``original1``), else its first
+    (``fc1.weight`` for ``fc1.parametrizations.weight.original0`` and ``original1``, and for the
+    deprecated ``torch.nn.utils.weight_norm``'s ``fc1.weight_g`` and ``fc1.weight_v``), else its first
     parameter's name."""
     names = [graph_utils.input_name(p) for p in params]
     owners = {re.sub(r"(^|\.)parametrizations\.(\w+)\.original\d*$", r"\1\2", name) for name in names}
-    return owners.pop() if len(owners) == 1 else names[0]
+    if len(owners) == 1:
+        return owners.pop()
+    if len(names) == 2 and names[0][:-2] == names[1][:-2] and [n[-2:] for n in names] == ["_g", "_v"]:
+        return names[0][:-2]
+    return names[0]
 
 
 def _attentions(gm):

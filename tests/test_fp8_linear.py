@@ -3,6 +3,7 @@ the float8 operands as fp32 there: ``flash_inductor.fp8_linear._scaled_mm``)."""
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -649,6 +650,15 @@ def test_linears_whose_weights_are_computed_from_parameters_run_in_fp8():
         assert torch.equal(p.grad, q.grad) if name in ("gated", "router") else _sqnr(q.grad, p.grad) >= 17, name
     for name, buffer in model.named_buffers():  # the power iteration's vectors
         torch.testing.assert_close(buffer, dict(reference.named_buffers())[name], rtol=0.02, atol=0.02)
+
+
+def test_the_deprecated_weight_norm_is_reported_under_the_weights_name():
+    """``torch.nn.utils.weight_norm`` (a forward pre-hook over ``weight_g`` and ``weight_v``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its deprecation
+        normed = torch.nn.utils.weight_norm(nn.Linear(64, 64))
+    _, decisions = _inspected_fp8(normed.bfloat16(), torch.randn(16, 64, dtype=torch.bfloat16))
+    assert decisions == {"weight": "fp8 e4m3/e5m2, weight computed from weight_g, weight_v"}
 
 
 def test_weights_computed_inside_a_checkpointed_region_run_in_fp8():
