@@ -377,8 +377,7 @@ def first_step_recording_fp8(setup, x, y):
         loss = setup.step(x, y)
     for g in report.graphs:
         if g.compile_seconds:
-            print(f"    {g.name} ({g.kind}) compile s: " + ", ".join(
-                f"{part} {seconds:.1f}" for part, seconds in g.compile_seconds.items()), flush=True)
+            print(f"    {g.name} ({g.kind}) compile seconds: {g.compile_seconds_text()}", flush=True)
     decisions = {subject: decision for g in report.graphs for p, subject, decision in g.decisions if p == "fp8_linear"}
     return loss, decisions
 

@@ -43,7 +43,7 @@ def compile(fn=None, **options):
     (``prepare_fp8``).
     """
     parsed = Options.from_dict(options)  # fail early on bad options
-    if (parsed.fp8 == "delayed" or parsed.fp8_all_gather) and isinstance(fn, torch.nn.Module):
+    if parsed.fp8_state_per_layer and isinstance(fn, torch.nn.Module):
         prepare_fp8(fn, **options)
     if fn is None:
         return functools.partial(compile, **options)

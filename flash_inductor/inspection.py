@@ -69,6 +69,10 @@ class GraphRecord:
         del self.decisions[first_decision:]
         self.decisions.append((pass_name, f"{self.subgraph} graph", f"pass skipped, no rewrite: {reason}"))
 
+    def compile_seconds_text(self):
+        """``compile_seconds`` as one line: ``passes 0.04, forward 2.89, backward 0.94``."""
+        return ", ".join(f"{part} {seconds:.2f}" for part, seconds in self.compile_seconds.items())
+
     def add_kernel_code(self, code):
         self.kernels[self.subgraph] = self.kernels.get(self.subgraph, "") + code
         self._dump(f"{self.subgraph}.inductor_output.py", self.kernels[self.subgraph])
@@ -180,8 +184,7 @@ class Report:
         for g in self.graphs:
             lines.append(f"{g.name}: kernels generated: {', '.join(g.kernel_backends) or 'none'}")
             if g.compile_seconds:
-                lines.append(f"{g.name}: compile seconds: " + ", ".join(
-                    f"{part} {seconds:.2f}" for part, seconds in g.compile_seconds.items()))
+                lines.append(f"{g.name}: compile seconds: {g.compile_seconds_text()}")
             lines += [f"{g.name}: {p}: {subject}: {decision}" for p, subject, decision in g.decisions]
         lines += [f"graph break at {b.location}: {b.headline}" for b in self.graph_breaks]
         for memory in self.memory:

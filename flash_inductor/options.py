@@ -151,6 +151,12 @@ class Options:
             return self.fp8_min_gemm_size
         return FP8_MIN_GEMM_SIZE_CUDA if torch.device(device).type == "cuda" else 0
 
+    @property
+    def fp8_state_per_layer(self):
+        """Whether FP8 keeps state per layer on its weight parameter: delayed scaling's amax histories
+        and scales, or ``fp8_all_gather``'s e4m3 shards (``prepare_fp8`` makes them)."""
+        return self.fp8 == "delayed" or self.fp8_all_gather
+
     def enabled(self, pass_name):
         return pass_name not in self.disable
 

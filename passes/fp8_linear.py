@@ -384,7 +384,7 @@ def _decide_computed(weight, params, ctx):
     if dtype.itemsize > widest.itemsize:
         wide, narrow = _SHORT_NAMES.get(dtype, str(dtype)), _SHORT_NAMES.get(widest, str(widest))
         return f"weight upcast from its {narrow} parameters: the model computes this product in {wide}", wide
-    if ctx.options.fp8 == "delayed" or ctx.options.fp8_all_gather:
+    if ctx.options.fp8_state_per_layer:
         return ("weight computed from parameters, where only fp8='tensorwise' or 'rowwise' without "
                 "fp8_all_gather runs in FP8 (their state is a parameter's)"), "bf16"
     return None, "bf16"
@@ -428,7 +428,7 @@ def _self_attention(arguments):
 def _decide_attention(arguments, weights, ctx):
     """``{argument: reason or None}`` for an ``nn.MultiheadAttention``'s weights (None: in FP8)."""
     reason = multi_head_attention.unsupported_reason(arguments)
-    if reason is None and (ctx.options.fp8 == "delayed" or ctx.options.fp8_all_gather):
+    if reason is None and ctx.options.fp8_state_per_layer:
         reason = ("nn.MultiheadAttention runs in FP8 with current scaling only (fp8='tensorwise' or 'rowwise', "
                   "without fp8_all_gather)")
     tokens = _tokens(arguments["query"])
@@ -459,9 +459,11 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
     eligible = []  # (body, node name, the weights an attention runs in FP8; None for a linear)
     decided = set()
     for body, node, linear, weight, operands in _linears(gm):
-        computed_from = None if _is_input(weight) else _parameters_computing(weight, ctx, operands)
-        if not _is_input(weight) and computed_from is None:
-            continue  # an activation, or a product of one
+        computed_from = None
+        if not _is_input(weight):
+            computed_from = _parameters_computing(weight, ctx, operands)
+            if computed_from is None:
+                continue  # an activation, or a product of one
         decided.add(node)
         layout = linear[3]
         name = graph_utils.input_name(weight) if computed_from is None else _computed_weight_name(computed_from)
@@ -469,7 +471,7 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
         kept = "bf16"  # what the report says a linear not in FP8 runs in
         if reason is None and computed_from:
             reason, kept = _decide_computed(weight, computed_from, ctx)
-        if reason is None and body is not None and (ctx.options.fp8 == "delayed" or ctx.options.fp8_all_gather):
+        if reason is None and body is not None and ctx.options.fp8_state_per_layer:
             # Their per-layer state would have to enter the region as operands of its own.
             reason = ("in an activation-checkpointed region, where only fp8='tensorwise' without "
                       "fp8_all_gather runs in FP8")
