@@ -136,8 +136,11 @@
 #              recipes), speed (the Llama, is_causal, 40 steps: the baseline against FP8 + fast accumulation + cudagraphs,
 #              tensorwise and row-wise; CONFIGS picks rows, LIMIT the seconds, PROFILE=N profiles N steps of each),
 #              profile (row-wise alone, 20 steps back to back, 3 profiled). SUFFIX names
-#              the logs of a rerun. Its loss over seeds: hfllamaseeds with
+#              the logs of a rerun; files named by the card (h100 / h200). Its loss over seeds: hfllamaseeds with
 #              RUNS="flashoptim_fp8+fastaccum+rowwise:0 ..." (the baselines of the same seeds are stored)
+#   rowwisecompile issue 14: the first step's compile, row-wise against tensorwise, on the Llama cut to 2 layers (full
+#              shapes, is_causal, 10 steps), each row in its own process with an empty Inductor cache; the report's
+#              compile seconds per graph; files named by the card (h100 / h200)
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -157,6 +160,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# the card in result names where a stage says so (h100 or h200: the device lends either)
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[12]00' | tr 'H' 'h')
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # logged NAME LIMIT SCRIPT ARGS...: benchmarks/SCRIPT ARGS under `timeout LIMIT`, writing
 # $out/NAME.json, with its output printed and kept in $out/NAME.log
@@ -585,21 +590,28 @@ case $stage in
       tests)
         timeout 300 python -m pytest -v -m gpu tests/test_gpu.py \
           -k "${TESTS:-rowwise or cudagraphs_train_step or kept_zero or transposes_in_its_own_kernel or every_token_count or attention_projections}" 2>&1 \
-          | grep -v "^DEBUG" > "$out/gpu_tests_rowwise${SUFFIX:-}_h200.log"
-        tail -4 "$out/gpu_tests_rowwise${SUFFIX:-}_h200.log" ;;
+          | grep -v "^DEBUG" > "$out/gpu_tests_rowwise${SUFFIX:-}_$card.log"
+        tail -4 "$out/gpu_tests_rowwise${SUFFIX:-}_$card.log" ;;
       linears)
         logged fp8_linear_rowwise_h200 400 fp8_linear.py --blocks none \
           --shapes 8192x2048x2048,8192x2048x5632,8192x5632x2048,4096x1024x1024 \
           --peers bf16,flashoptim_fast_accum,flashoptim_rowwise,flashoptim_rowwise_fast_accum,torchao,torchao_rowwise ;;
       speed)
-        logged "hf_clients_llama_rowwise${SUFFIX:-}_h200" "${LIMIT:-560}" hf_clients.py --model llama --attention is_causal \
+        logged "hf_clients_llama_rowwise${SUFFIX:-}_$card" "${LIMIT:-560}" hf_clients.py --model llama --attention is_causal \
           --configs "${CONFIGS:-baseline,flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+rowwise+fastaccum+cudagraphs}" \
           --steps 40 --log-every 20 --pipelined 20 --profile "${PROFILE:-0}" ;;
       profile)
-        logged "hf_clients_llama_rowwise_profile${SUFFIX:-}_h200" 560 hf_clients.py --model llama \
+        logged "hf_clients_llama_rowwise_profile${SUFFIX:-}_$card" 560 hf_clients.py --model llama \
           --attention is_causal --configs flashoptim_fp8+rowwise+fastaccum+cudagraphs --steps 20 --log-every 10 \
           --pipelined 20 --profile 3 ;;
     esac
+    ;;
+  rowwisecompile)
+    for config in flashoptim_fp8+fastaccum+cudagraphs flashoptim_fp8+rowwise+fastaccum+cudagraphs; do
+      (export TORCHINDUCTOR_CACHE_DIR; TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+       logged "hf_clients_llama2l_compile_${config//+/_}_$card" "${LIMIT:-200}" hf_clients.py --model llama --layers 2 \
+         --attention is_causal --configs "$config" --steps 10 --log-every 5)
+    done
     ;;
   multigpu)
     # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else
