@@ -43,3 +43,12 @@ def step_profile(fn, calls=5, top=25):
 
     return dict(wall_ms=round(wall_ms, 3), gpu_busy_ms=round(sum(e.device_time_total for e in gpu) / calls / 1e3, 3),
                 gpu_kernels=rows(gpu, lambda e: e.device_time_total), cpu_self=rows(cpu, lambda e: e.self_cpu_time_total))
+
+
+def print_profile(profile, indent="  "):
+    """``step_profile``'s result as the benchmarks print it."""
+    print(f"{indent}profile: wall {profile['wall_ms']:.2f} ms per step, GPU busy {profile['gpu_busy_ms']:.2f} ms")
+    for title, rows in (("GPU kernels", profile["gpu_kernels"]), ("CPU operators (self)", profile["cpu_self"])):
+        print(f"{indent}  {title}: calls per step, us per step")
+        for name, calls, us in rows:
+            print(f"{indent}    {us:10.1f} {calls:5d}  {name}")

@@ -125,7 +125,7 @@ import flash_inductor
 from flash_inductor import triton_adam
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from gpu_profile import step_profile  # noqa: E402
+from gpu_profile import print_profile, step_profile  # noqa: E402
 from snapshot_analysis import analyse_blocks, analyse_snapshot, format_analysis, live_blocks, peak_blocks, python_tensor_storages  # noqa: E402
 from state_candidates import CANDIDATES as STATE_CANDIDATES  # noqa: E402
 from state_candidates import rounding_after  # noqa: E402
@@ -646,14 +646,6 @@ def pipelined_timing(setup, corpus, starts, args, device):
     seconds = (time.perf_counter() - t0) / args.pipelined
     print(f"  pipelined: {args.pipelined} steps, {seconds * 1e3:.1f} ms per step", flush=True)
     return dict(pipelined_step_s=seconds, pipelined_tokens_per_s=args.batch * args.seq / seconds)
-
-
-def print_profile(profile):
-    print(f"  profile: wall {profile['wall_ms']:.2f} ms per step, GPU busy {profile['gpu_busy_ms']:.2f} ms")
-    for title, rows in (("GPU kernels", profile["gpu_kernels"]), ("CPU operators (self)", profile["cpu_self"])):
-        print(f"    {title}: calls per step, us per step")
-        for name, calls, us in rows:
-            print(f"      {us:10.1f} {calls:5d}  {name}")
 
 
 # ---------------------------------------------------------------------------------------- snapshot

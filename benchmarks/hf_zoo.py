@@ -4,7 +4,7 @@ the stock step, and what the backend made of each.
 
     python benchmarks/hf_zoo.py [--device cpu|cuda] [--size tiny|small] [--models qwen3,falcon,...]
                                 [--rows stock,flashoptim,flashoptim_fp8] [--steps 8] [--compiler inductor|eager]
-                                [--out benchmarks/results/hf_zoo_....json]
+                                [--profile N] [--out benchmarks/results/hf_zoo_....json]
 
 Rows: ``stock`` (fp32 parameters, torch's AdamW, fused on CUDA, with bf16 autocast and
 ``torch.compile(model)`` there; eager on the CPU), ``flashoptim`` (``train_step``: 24-bit masters,
@@ -22,7 +22,7 @@ decisions (how many matmuls on parameters run in FP8, the reasons of the others)
 other than the train step's own two (``loss.backward()`` and the prepared ``optimizer.step()``), the
 ``PassFailed`` warnings, bytes per parameter (``memory_report``), and on CUDA the median step time
 and the peak memory allocated and reserved after the first step (above what the process held before
-the row).
+the row); with ``--profile N``, where N more steps spend their time (``gpu_profile.step_profile``).
 """
 
 import argparse
@@ -32,6 +32,7 @@ import json
 import pathlib
 import platform
 import statistics
+import sys
 import time
 import traceback
 import warnings
@@ -41,6 +42,9 @@ import torch
 import flash_inductor
 from flash_inductor import inspection
 from flash_inductor.pipeline import PassFailed
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from gpu_profile import print_profile, step_profile  # noqa: E402
 
 # The dims of each size; each architecture's config takes them under its own names.
 # Vision models take images of ``image`` pixels a side (``labels`` classes), audio models ``mel``
@@ -249,6 +253,10 @@ def run_row(name, row, args):
                 result["steady_peak_bytes"] = torch.cuda.max_memory_allocated() - allocated_before
                 # With cudagraphs the graphs' pool: replays allocate nothing, so only reserved memory shows it.
                 result["steady_reserved_bytes"] = torch.cuda.max_memory_reserved() - reserved_before
+            if cuda and args.profile:
+                result["profile"] = step_profile(lambda: step(batch).item(), calls=args.profile, top=args.profile_top)
+                print(f"{name} {row}:")
+                print_profile(result["profile"])
         except Exception as error:  # noqa: BLE001 - a row that fails is a finding, reported
             result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             result["traceback"] = traceback.format_exc(limit=-4)
@@ -286,6 +294,10 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--compiler", choices=("inductor", "eager"), default="inductor")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="CUDA: after the steps, N more timed and then profiled (wall against GPU busy, top kernels "
+                             "and CPU operators)")
+    parser.add_argument("--profile-top", type=int, default=12)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.size = args.size or ("small" if args.device.startswith("cuda") else "tiny")
