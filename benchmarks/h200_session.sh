@@ -118,7 +118,8 @@
 #              names each kernel of the profile
 #   zoo        issue 14: the FP8 GPU tests (among them linears in a checkpointed region; TESTS a -k selection),
 #              then Hugging Face architectures we did not write (hf_zoo.py, size small; MODELS picks them, STEPS,
-#              LR, ROWS, LIMIT the seconds, PROFILE=N profiles N steps of each row); PART=tests or PART=zoo runs one
+#              LR, ROWS, LIMIT the seconds, PROFILE=N profiles N steps of each row; NAME the output, by default
+#              named by the card); PART=tests or PART=zoo runs one
 #              of the two
 #   fp8sizes   issue 14: where an FP8 linear pays: forward + backward of one linear, bf16 against FP8 (current
 #              scaling, fast accumulation), plain and CUDA-graphed, at the sizes of hidden 1024-2048 models (SHAPES)
@@ -557,7 +558,7 @@ case $stage in
       tail -4 "$out/${TESTS_NAME:-gpu_tests_zoo_h200}.log"
     fi
     if [ "${PART:-all}" != tests ]; then
-      logged "${NAME:-hf_zoo_small_h200}" "${LIMIT:-330}" hf_zoo.py --device cuda --size small \
+      logged "${NAME:-hf_zoo_small_$card}" "${LIMIT:-330}" hf_zoo.py --device cuda --size small \
         --models "${MODELS:-qwen3,gemma3,phi3,falcon,mixtral}" --steps "${STEPS:-12}" --lr "${LR:-1e-3}" \
         --rows "${ROWS:-stock,flashoptim,flashoptim_fp8}" --profile "${PROFILE:-0}"
     fi
