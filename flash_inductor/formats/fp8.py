@@ -123,6 +123,8 @@ def scale_from_amax(amax, dtype, previous_scale=None, power_of_two=False):
     # A tensor numerator: Python's ``float / tensor`` computes ``reciprocal(t) * float`` (two roundings).
     scale = torch.full_like(a, max_value(dtype)) / a.clamp(min=AMAX_FLOOR)
     if power_of_two:
+        # The subnormal lift is never needed here (see Edge cases), but without it torch 2.13's
+        # vectorized C++ gave NaN row-wise gradients (tests/test_hf_zoo.py, row-wise through Inductor).
         scale = round_down_to_power_of_two(scale)
     if previous_scale is not None:
         valid = (a > 0) & torch.isfinite(a)
