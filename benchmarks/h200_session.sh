@@ -610,9 +610,8 @@ case $stage in
     ;;
   rowwisecompile)
     for config in flashoptim_fp8+fastaccum+cudagraphs flashoptim_fp8+rowwise+fastaccum+cudagraphs; do
-      (export TORCHINDUCTOR_CACHE_DIR; TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
-       logged "hf_clients_llama2l_compile_${config//+/_}_$card" "${LIMIT:-200}" hf_clients.py --model llama --layers 2 \
-         --attention is_causal --configs "$config" --steps 10 --log-every 5)
+      TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) logged "hf_clients_llama2l_compile_${config//+/_}_$card" "${LIMIT:-200}" \
+        hf_clients.py --model llama --layers 2 --attention is_causal --configs "$config" --steps 10 --log-every 5
     done
     ;;
   multigpu)

@@ -253,10 +253,10 @@ def run_row(name, row, args):
                 result["steady_peak_bytes"] = torch.cuda.max_memory_allocated() - allocated_before
                 # With cudagraphs the graphs' pool: replays allocate nothing, so only reserved memory shows it.
                 result["steady_reserved_bytes"] = torch.cuda.max_memory_reserved() - reserved_before
-            if cuda and args.profile:
-                result["profile"] = step_profile(lambda: step(batch).item(), calls=args.profile, top=args.profile_top)
-                print(f"{name} {row}:")
-                print_profile(result["profile"])
+                if args.profile:
+                    result["profile"] = step_profile(lambda: step(batch).item(), calls=args.profile, top=args.profile_top)
+                    print(f"{name} {row}:")
+                    print_profile(result["profile"])
         except Exception as error:  # noqa: BLE001 - a row that fails is a finding, reported
             result["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             result["traceback"] = traceback.format_exc(limit=-4)
