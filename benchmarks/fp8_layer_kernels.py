@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import re
+import time
 
 import torch
 import torch.nn.functional as F
@@ -190,12 +191,20 @@ def _record_kernel_bytes():
 
 
 def generated_code(configuration):
-    """{"forward", "backward"}: Inductor's code (sm_90) for the layer's two graphs under ``configuration``."""
+    """{"forward", "backward"}: for the layer's two graphs under ``configuration``, Inductor's code
+    (sm_90), the graph's operators and the seconds Inductor took to lower it to that code (its share
+    of a GPU compile that does not depend on the GPU; Triton's compile of the kernels comes on top)."""
     graphs = _partitioned_graphs(configuration)
     pretend_sm90()
     _record_kernel_bytes()
     fp8_option = "rowwise" if CONFIGURATIONS[configuration]["rowwise"] else "tensorwise"
-    return {name: _cuda_code(graph, fp8_option) for name, graph in graphs.items()}
+    generated = {}
+    for name, graph in graphs.items():
+        start = time.perf_counter()
+        code = _cuda_code(graph, fp8_option)
+        generated[name] = dict(code=code, graph_ops=sum(n.op == "call_function" for n in graph.graph.nodes),
+                               lowering_s=round(time.perf_counter() - start, 1))
+    return generated
 
 
 _KERNEL = re.compile(r"@triton_heuristics\.(\w+)\((.*?)@triton\.jit\ndef (\w+)\(.*?\):\n(.*?)\n'''", re.S)
@@ -241,15 +250,16 @@ def main():
     args = parser.parse_args()
     results = {}
     for configuration in args.configurations:
-        codes = generated_code(configuration)
-        results[configuration] = {graph: summary(code) for graph, code in codes.items()}
-        for graph, code in codes.items():
+        generated = generated_code(configuration)
+        results[configuration] = {graph: dict(summary(g["code"]), graph_ops=g["graph_ops"], lowering_s=g["lowering_s"])
+                                  for graph, g in generated.items()}
+        for graph, g in generated.items():
             if configuration == args.show:
                 print(f"-- {graph}")
-                for k in kernels(code):
+                for k in kernels(g["code"]):
                     print(f"{k['kind']:21} {str(k['sizes']):40} {k['gb'] or 0:6.3f} GB stores {k['stores']} "
                           f"transposed {k['transposed_stores']}  {k['name'][:60]}")
-    columns = list(summary(""))
+    columns = [*summary(""), "graph_ops", "lowering_s"]
     print(f"{'configuration':15} {'graph':8} " + " ".join(f"{c:>29}" for c in columns))
     for configuration, graphs in results.items():
         for graph, s in graphs.items():
