@@ -33,6 +33,7 @@ forward and backward state are separate buffers for that reason).
 import fnmatch
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flash_inductor.formats import fp8
 from flash_inductor.formats.fp8_weight import Fp8Weight
@@ -79,17 +80,29 @@ def refused_by_user(module_name, options):
     return None
 
 
+def _multiple_of_16(n):
+    """``n`` rounded up to a multiple of 16: ``_scaled_mm`` wants the dims it sums over (K) and its
+    output's columns (N) so; the tokens are the K of the weight-gradient GEMM."""
+    return -(-n // 16) * 16
+
+
 def padded_shape(n, k):
     """The weight shape the FP8 GEMMs use for an ``n x k`` weight: both dims rounded up to multiples
-    of 16 (``_scaled_mm``'s requirement) when that adds at most 1% of elements (an lm_head of
-    50257 rows: 15 rows), else None."""
-    pn, pk = -(-n // 16) * 16, -(-k // 16) * 16
+    of 16 when that adds at most 1% of elements (an lm_head of 50257 rows: 15 rows), else None."""
+    pn, pk = _multiple_of_16(n), _multiple_of_16(k)
     return (pn, pk) if pn * pk <= 1.01 * n * k else None
 
 
 def _pad_to(t, rows, cols):
-    """``t`` (2-D) with zero rows and columns appended up to ``rows x cols`` (itself when no padding)."""
-    return t if t.shape == (rows, cols) else torch.nn.functional.pad(t, (0, cols - t.shape[1], 0, rows - t.shape[0]))
+    """``t`` (2-D) with zero rows and columns appended up to ``rows x cols``, each where its size is not
+    known to be that already: a symbolic token count is padded without a guard on its divisibility
+    (the pad may be empty)."""
+    if not statically_known_true(t.shape[1] == cols):
+        t = torch.nn.functional.pad(t, (0, cols - t.shape[1]))
+    if not statically_known_true(t.shape[0] == rows):
+        # cat rather than pad: constant_pad_nd takes no symbolic padding in a plain fake mode (the passes' type check)
+        t = torch.cat([t, t.new_zeros(rows - t.shape[0], cols)])
+    return t
 
 
 def _quantize(t, dtype, power_of_two, history=None, scales=None, row=None):
@@ -137,6 +150,10 @@ def _scaled_mm(a, a_inv_scale, b_t, b_inv_scale, fast_accum=False):
     0.02 s, the same bits). ``fast_accum`` only exists on the GPU.
     """
     if a.device.type == "cpu":
+        # What the GPU kernel refuses, refused here too, so that CPU tests catch the shapes the GPU would not take.
+        for dim, size in (("K", a.shape[1]), ("N", b_t.shape[1])):
+            if isinstance(size, int) and size % 16:
+                raise RuntimeError(f"_scaled_mm: {dim} = {size} is not a multiple of 16 ({tuple(a.shape)} @ {tuple(b_t.shape)})")
         return ((a.float() @ b_t.float()) * (a_inv_scale * b_inv_scale)).to(torch.bfloat16)
     return torch._scaled_mm(a, b_t, scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=torch.bfloat16,
                             use_fast_accum=fast_accum)
@@ -155,33 +172,35 @@ def _output_dtype(x, weight):
 
 
 def _padded_input(ctx, x, weight, bias):
-    """``(x as a 2-D matrix padded to the weight's padded in-dim, n, pn, pk)``, with what the backward
-    needs of the shapes and dtypes kept on ``ctx``. Zero padding (``padded_shape``) changes no amax, no
-    product and no sum; the results are cut back."""
+    """``(x as a 2-D matrix padded to the weight's padded in-dim and to a multiple of 16 tokens, n, pn,
+    pk)``, with what the backward needs of the shapes and dtypes kept on ``ctx``. Zero padding
+    (``padded_shape``) changes no amax, no product and no sum; the results are cut back."""
     n, k = weight.shape
     pn, pk = padded_shape(n, k)
     x2 = x.reshape(-1, k)
     ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
-    return _pad_to(x2, x2.shape[0], pk), n, pn, pk
+    return _pad_to(x2, _multiple_of_16(x2.shape[0]), pk), n, pn, pk
 
 
-def _output(out, bias, n, pn, x, weight):
-    """The forward GEMM's ``out`` cut back to ``n`` columns, with the bias, in ``F.linear``'s dtype:
-    2-D and not a view (the caller reshapes), as callers write a linear's output in place
-    (``mlp_out += attn_out``), which autograd forbids on a view made inside a Function."""
+def _output(out, bias, n, x, weight):
+    """The forward GEMM's ``out`` cut back to the tokens and ``n`` columns, with the bias, in
+    ``F.linear``'s dtype: 2-D and not a view (the caller reshapes), as callers write a linear's output
+    in place (``mlp_out += attn_out``), which autograd forbids on a view made inside a Function."""
+    tokens = x.numel() // x.shape[-1]
     if bias is not None:
-        out = out[:, :n] + bias
-    elif pn != n:
-        out = out[:, :n].contiguous()
+        out = out[:tokens, :n] + bias
+    elif not statically_known_true(out.shape[0] == tokens) or out.shape[1] != n:
+        out = out[:tokens, :n].contiguous()
     return out.to(_output_dtype(x, weight))
 
 
 def _gradients(ctx, grad_x, grad_w, g2):
     """The backward's ``(dx, dw, db)`` cut back to the unpadded shapes, in the inputs' dtypes."""
-    n, k = g2.shape[1], ctx.input_shape[-1]
+    (tokens, n), k = g2.shape, ctx.input_shape[-1]
     grad_b = None if ctx.bias_dtype is None else g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-    return grad_x[:, :k].reshape(ctx.input_shape).to(ctx.input_dtype), grad_w[:n, :k].to(ctx.weight_dtype), grad_b
+    grad_x = grad_x[:tokens, :k].reshape(ctx.input_shape).to(ctx.input_dtype)
+    return grad_x, grad_w[:n, :k].to(ctx.weight_dtype), grad_b
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -200,7 +219,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.power_of_two = power_of_two
         # Column-major already for an (out, in) weight (no copy); a transposed (in, out) one is copied.
         out = _scaled_mm(x_fp8, x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)
-        return _output(out, bias, n, pn, x, weight)
+        return _output(out, bias, n, x, weight)
 
     @staticmethod
     # Only eager runs (compiler="eager") call this; AOTAutograd traces it without Dynamo. Dynamo
@@ -210,7 +229,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_fp8, x_inv, w_fp8, w_inv = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g_fp8, g_inv = _quantize(_pad_to(g2, g2.shape[0], w_fp8.shape[0]), fp8.E5M2, ctx.power_of_two, *ctx.grad_state, 0)
+        g_fp8, g_inv = _quantize(_pad_to(g2, x_fp8.shape[0], w_fp8.shape[0]), fp8.E5M2, ctx.power_of_two, *ctx.grad_state, 0)
         grad_x = _scaled_mm(g_fp8, g_inv, _col_major(w_fp8), w_inv)
         # Both transposed copies in kernels of their own (fp8_transpose: fused into a norm's backward they were slow).
         grad_w = _scaled_mm(transpose_fp8(g_fp8), g_inv, transpose_fp8(x_fp8).t(), x_inv)
@@ -229,14 +248,14 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
         # What the backward's GEMMs take: w summed over n (dx), x summed over the tokens (dw).
         ctx.save_for_backward(*_quantize_columns(wp), *_quantize_columns(xp))
         out = _scaled_mm(x_fp8, x_inv, w_fp8.t(), w_inv.t(), fast_accum)
-        return _output(out, bias, n, pn, x, weight)
+        return _output(out, bias, n, x, weight)
 
     @staticmethod
     @torch.compiler.disable  # as Fp8LinearFunction.backward
     def backward(ctx, grad_out):
         wt_fp8, wt_inv, xt_fp8, xt_inv = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        gp = _pad_to(g2, g2.shape[0], wt_fp8.shape[1])
+        gp = _pad_to(g2, xt_fp8.shape[1], wt_fp8.shape[1])
         g_fp8, g_inv = _quantize_rows(gp)
         gt_fp8, gt_inv = _quantize_columns(gp)
         grad_x = _scaled_mm(g_fp8, g_inv, wt_fp8.t(), wt_inv.t())

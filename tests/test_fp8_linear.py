@@ -145,6 +145,7 @@ class _Heads(nn.Module):
         return heads.transpose(1, 2).reshape(b, t, 64)
 
 
+@pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
 @pytest.mark.parametrize("fp8_mode", ["tensorwise", "rowwise"])
 def test_an_fp8_graph_compiled_for_a_dynamic_sequence_length_serves_every_length(fp8_mode):
     """The passes' type check ran the rewritten graph in a fake mode of its own, on copies of the
@@ -155,13 +156,14 @@ def test_an_fp8_graph_compiled_for_a_dynamic_sequence_length_serves_every_length
     compiled = flash_inductor.compile(model, **EAGER, fp8=fp8_mode, fp8_min_weight_numel=0)
     x = torch.randn(2, 32, 64)
     torch._dynamo.mark_dynamic(x, 1)
-    compiled(x)
+    assert decisions_of(flash_inductor.inspect(compiled, x))["proj.weight"].startswith("fp8")
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for length in (48, 40):
+        for length in (48, 40, 33):  # 66 tokens: padded to 80, without a guard on 16's divisibility
             x = torch.randn(2, length, 64)
             y = compiled(x)
             assert y.shape == (2, length, 64)
             assert fp8.sqnr_db(model(x), y).item() >= 25
+            y.sum().backward()  # the tokens are the weight gradient's K
 
 
 def test_fp8_min_gemm_size_defaults_to_the_h200_measurement_on_cuda_only():
@@ -391,6 +393,39 @@ def test_dims_off_16_are_zero_padded_where_that_adds_at_most_1_percent(features)
     assert _sqnr(out_ref, out) >= 25
     assert _sqnr(x_ref.grad, x.grad) >= 20 and _sqnr(reference.weight.grad, layer.weight.grad) >= 20
     torch.testing.assert_close(layer.bias.grad, reference.bias.grad, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fp8_mode", ["tensorwise", "rowwise"])
+def test_a_token_count_off_16_is_zero_padded_for_the_weight_gradient_gemm(fp8_mode):
+    """The tokens are the K of the weight-gradient GEMM (dw = dy.T @ x), which ``_scaled_mm`` wants a
+    multiple of 16: ViT's 4 images of 197 tokens (788) failed to compile on an H100. The tokens are
+    padded with zero rows, which change no amax and no sum, and cut back. (The CPU's ``_scaled_mm``
+    refuses what the GPU's refuses: without the padding this test fails there too.)"""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64).bfloat16()
+    reference = copy.deepcopy(layer)
+    x = torch.randn(3, 7, 64, dtype=torch.bfloat16, requires_grad=True)  # 21 tokens
+    x_ref = x.detach().clone().requires_grad_()
+    grad_out = torch.randn(3, 7, 64, dtype=torch.bfloat16)
+    out = flash_inductor.compile(layer, **dict(FP8_ALL, fp8=fp8_mode))(x)
+    out.backward(grad_out)
+    out_ref = reference(x_ref)
+    out_ref.backward(grad_out)
+    assert out.shape == out_ref.shape and x.grad.shape == x_ref.grad.shape
+    assert _sqnr(out_ref, out) >= 25
+    assert _sqnr(x_ref.grad, x.grad) >= 20 and _sqnr(reference.weight.grad, layer.weight.grad) >= 20
+    torch.testing.assert_close(layer.bias.grad, reference.bias.grad, rtol=1e-2, atol=1e-2)
+
+
+def test_the_cpus_fp8_gemm_refuses_what_the_gpus_refuses():
+    """K and N off 16 are refused as ``torch._scaled_mm`` refuses them on CUDA, M is free."""
+    a, b = torch.zeros(5, 32, dtype=fp8.E4M3), torch.zeros(32, 48, dtype=fp8.E4M3)
+    one = torch.ones(())
+    assert fp8_linear._scaled_mm(a, one, b, one).shape == (5, 48)
+    with pytest.raises(RuntimeError, match=r"K = 24 is not a multiple of 16"):
+        fp8_linear._scaled_mm(a[:, :24], one, b[:24], one)
+    with pytest.raises(RuntimeError, match=r"N = 40 is not a multiple of 16"):
+        fp8_linear._scaled_mm(a, one, b[:, :40], one)
 
 
 def _check_fp8_against_bf16(model, reference, x):
