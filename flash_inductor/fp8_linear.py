@@ -14,6 +14,11 @@ along the tokens for dw (saved as ``x.T`` cast by rows). The saved bytes are ten
 in e4m3); the forward casts twice as much. A transposed operand is cast by columns where its tensor
 is stored and then transposed by ``fp8_transpose`` (``_quantize_columns``).
 
+Shapes: ``_scaled_mm`` wants the dims it sums over and its output's columns multiples of 16. The
+weight's dims are zero-padded to them where that adds at most 1% (``padded_shape``), and the tokens
+always (they are the K of ``dw``); zero rows and columns change no amax, no product and no sum, and
+the results are cut back.
+
 Current scaling casts every operand with ``scale = fp8_max / amax`` of its current value
 (``formats.fp8``). Delayed scaling takes the scale from an amax history instead and records the
 operand's amax in it (``formats.fp8.scale_from_history``); the histories and last scales are
@@ -100,8 +105,9 @@ def _pad_to(t, rows, cols):
     if not statically_known_true(t.shape[1] == cols):
         t = torch.nn.functional.pad(t, (0, cols - t.shape[1]))
     if not statically_known_true(t.shape[0] == rows):
-        # cat rather than pad: constant_pad_nd takes no symbolic padding in a plain fake mode (the passes' type check)
-        t = torch.cat([t, t.new_zeros(rows - t.shape[0], cols)])
+        # Written into zeros rather than padded: constant_pad_nd takes no symbolic padding in a plain fake
+        # mode (the passes' type check), and a tensor of the padding alone (cat) guards on its size being 0.
+        t = t.new_zeros(rows, cols).slice_scatter(t, 0, 0, t.shape[0])
     return t
 
 

@@ -166,6 +166,22 @@ def test_an_fp8_graph_compiled_for_a_dynamic_sequence_length_serves_every_length
             y.sum().backward()  # the tokens are the weight gradient's K
 
 
+def test_an_inductor_step_compiled_for_a_dynamic_token_count_pads_counts_off_16_without_compiling_again():
+    """Through Inductor (AOTAutograd's functionalization), padding by a tensor of the missing rows alone
+    guarded on their number being 0, so the first count off 16 compiled the step again (the H100's
+    test_compiled_fp8_step_serves_every_token_count_from_one_graph); the rows are written into zeros instead."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.RMSNorm(64), nn.Linear(64, 64, bias=False))
+    compiled = flash_inductor.compile(model, fp8="tensorwise", fp8_min_weight_numel=0)
+    for i, tokens in enumerate((32, 48, 30, 17)):
+        x = torch.randn(tokens, 64)
+        if i == 0:
+            torch._dynamo.mark_dynamic(x, 0)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            compiled(x).float().square().mean().backward()
+        assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+
+
 def test_fp8_min_gemm_size_defaults_to_the_h200_measurement_on_cuda_only():
     """FP8 on the CPU is an emulation (for tests): no size pays there, so no GEMM is too small; on
     CUDA the default is where an FP8 linear started to pay on the H200 (docs/benchmarks.md)."""
