@@ -91,6 +91,14 @@ def _multiple_of_16(n):
     return -(-n // 16) * 16
 
 
+def _padded_tokens(m):
+    """The rows the FP8 GEMMs take for ``m`` tokens: ``m`` rounded up to a multiple of 16. A symbolic
+    ``m`` (a dynamic sequence length) gets 1 to 16 rows more, never none: with none possible, Inductor's
+    CUDA lowering guarded on ``m`` being a multiple of 16 and compiled again at the first count that
+    was not (an H100, tensorwise)."""
+    return _multiple_of_16(m) if isinstance(m, int) else 16 * (m // 16 + 1)
+
+
 def padded_shape(n, k):
     """The weight shape the FP8 GEMMs use for an ``n x k`` weight: both dims rounded up to multiples
     of 16 when that adds at most 1% of elements (an lm_head of 50257 rows: 15 rows), else None."""
@@ -100,8 +108,7 @@ def padded_shape(n, k):
 
 def _pad_to(t, rows, cols):
     """``t`` (2-D) with zero rows and columns appended up to ``rows x cols``, each where its size is not
-    known to be that already: a symbolic token count is padded without a guard on its divisibility
-    (the pad may be empty)."""
+    known to be that already (a symbolic token count always)."""
     if not statically_known_true(t.shape[1] == cols):
         t = torch.nn.functional.pad(t, (0, cols - t.shape[1]))
     if not statically_known_true(t.shape[0] == rows):
@@ -186,7 +193,7 @@ def _padded_input(ctx, x, weight, bias):
     x2 = x.reshape(-1, k)
     ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
-    return _pad_to(x2, _multiple_of_16(x2.shape[0]), pk), n, pn, pk
+    return _pad_to(x2, _padded_tokens(x2.shape[0]), pk), n, pn, pk
 
 
 def _output(out, bias, n, x, weight):
