@@ -152,6 +152,30 @@ def _quantize_columns(t):
     return transpose_fp8(fp8.cast_to_fp8(t, scale.t(), fp8.E4M3)), scale.reciprocal()
 
 
+def _refuse_what_cuda_refuses(a, a_inv_scale, b_t, b_inv_scale):
+    """Raise where CUDA's ``_scaled_mm`` would (its checks in torch's meta registrations, which skip
+    them on the CPU), so that CPU tests catch the operands a GPU would not take: ``a`` row-major, ``b_t``
+    column-major, K and N multiples of 16, fp32 inverse scales of one element each or ``(M, 1)`` and
+    contiguous ``(1, N)``. Symbolic sizes are left to the GPU."""
+    (m, k), n = a.shape, b_t.shape[1]
+    sizes = (m, k, n, *a.stride(), *b_t.stride())
+    if not all(isinstance(size, int) for size in sizes):
+        return
+    problems = [f"{dim} = {size} is not a multiple of 16" for dim, size in (("K", k), ("N", n)) if size % 16]
+    if m and k and not (a.stride(1) == 1 and a.stride(0) > 1):
+        problems.append(f"the first operand is not row-major (strides {a.stride()})")
+    if k and n and not (b_t.stride(0) == 1 and b_t.stride(1) > 1):
+        problems.append(f"the second operand is not column-major (strides {b_t.stride()})")
+    tensorwise = a_inv_scale.numel() == 1 and b_inv_scale.numel() == 1
+    rowwise = (tuple(a_inv_scale.shape) == (m, 1) and tuple(b_inv_scale.shape) == (1, n)
+               and a_inv_scale.is_contiguous() and b_inv_scale.is_contiguous())
+    if not (tensorwise or rowwise) or {a_inv_scale.dtype, b_inv_scale.dtype} != {torch.float32}:
+        problems.append(f"inverse scales {tuple(a_inv_scale.shape)} and {tuple(b_inv_scale.shape)} "
+                        f"({a_inv_scale.dtype}, {b_inv_scale.dtype}) are neither one fp32 each nor contiguous (M, 1) and (1, N)")
+    if problems:
+        raise RuntimeError(f"_scaled_mm of {tuple(a.shape)} @ {tuple(b_t.shape)}: " + "; ".join(problems))
+
+
 def _scaled_mm(a, a_inv_scale, b_t, b_inv_scale, fast_accum=False):
     """``a @ b_t`` in bf16 (partial sums promoted to fp32 unless ``fast_accum``; on Hopper each holds
     about 13 bits before, benchmarks/fp8_accumulation.py); ``b_t`` is column-major. The
@@ -163,10 +187,7 @@ def _scaled_mm(a, a_inv_scale, b_t, b_inv_scale, fast_accum=False):
     0.02 s, the same bits). ``fast_accum`` only exists on the GPU.
     """
     if a.device.type == "cpu":
-        # What the GPU kernel refuses, refused here too, so that CPU tests catch the shapes the GPU would not take.
-        for dim, size in (("K", a.shape[1]), ("N", b_t.shape[1])):
-            if isinstance(size, int) and size % 16:
-                raise RuntimeError(f"_scaled_mm: {dim} = {size} is not a multiple of 16 ({tuple(a.shape)} @ {tuple(b_t.shape)})")
+        _refuse_what_cuda_refuses(a, a_inv_scale, b_t, b_inv_scale)
         return ((a.float() @ b_t.float()) * (a_inv_scale * b_inv_scale)).to(torch.bfloat16)
     return torch._scaled_mm(a, b_t, scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=torch.bfloat16,
                             use_fast_accum=fast_accum)

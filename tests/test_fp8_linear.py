@@ -434,14 +434,24 @@ def test_a_token_count_off_16_is_zero_padded_for_the_weight_gradient_gemm(fp8_mo
 
 
 def test_the_cpus_fp8_gemm_refuses_what_the_gpus_refuses():
-    """K and N off 16 are refused as ``torch._scaled_mm`` refuses them on CUDA, M is free."""
-    a, b = torch.zeros(5, 32, dtype=fp8.E4M3), torch.zeros(32, 48, dtype=fp8.E4M3)
+    """As ``torch._scaled_mm`` on CUDA: K and N multiples of 16 (M free), the first operand row-major,
+    the second column-major, the inverse scales one fp32 each or contiguous (M, 1) and (1, N)."""
+    a, b = torch.zeros(5, 32, dtype=fp8.E4M3), torch.zeros(48, 32, dtype=fp8.E4M3).t()
     one = torch.ones(())
     assert fp8_linear._scaled_mm(a, one, b, one).shape == (5, 48)
-    with pytest.raises(RuntimeError, match=r"K = 24 is not a multiple of 16"):
-        fp8_linear._scaled_mm(a[:, :24], one, b[:24], one)
-    with pytest.raises(RuntimeError, match=r"N = 40 is not a multiple of 16"):
-        fp8_linear._scaled_mm(a, one, b[:, :40], one)
+    assert fp8_linear._scaled_mm(a, torch.ones(5, 1), b, torch.ones(1, 48)).shape == (5, 48)
+    refused = {
+        r"K = 24 is not a multiple of 16": (a[:, :24], one, b[:24], one),
+        r"N = 40 is not a multiple of 16": (a, one, b[:, :40], one),
+        r"first operand is not row-major": (a.t().contiguous().t(), one, b, one),
+        r"second operand is not column-major": (a, one, b.contiguous(), one),
+        r"neither one fp32 each": (a, torch.ones(1, 5), b, torch.ones(1, 48)),
+    }
+    for message, args in refused.items():
+        with pytest.raises(RuntimeError, match=message):
+            fp8_linear._scaled_mm(*args)
+    with pytest.raises(RuntimeError, match=r"neither one fp32 each"):
+        fp8_linear._scaled_mm(a, one.double(), b, one)
 
 
 def _check_fp8_against_bf16(model, reference, x):
