@@ -16,8 +16,8 @@ is stored and then transposed by ``fp8_transpose`` (``_quantize_columns``).
 
 Shapes: ``_scaled_mm`` wants the dims it sums over and its output's columns multiples of 16. The
 weight's dims are zero-padded to them where that adds at most 1% (``padded_shape``), and the tokens
-always (they are the K of ``dw``); zero rows and columns change no amax, no product and no sum, and
-the results are cut back.
+always, as they are the K of ``dw`` (the forward and ``dx`` GEMMs take the unpadded rows of the same
+casts); zero rows and columns change no amax, no product and no sum, and the results are cut back.
 
 Current scaling casts every operand with ``scale = fp8_max / amax`` of its current value
 (``formats.fp8``). Delayed scaling takes the scale from an amax history instead and records the
@@ -206,41 +206,39 @@ def _output_dtype(x, weight):
 
 
 def _padded_input(ctx, x, weight, bias):
-    """``(x as a 2-D matrix padded to the weight's padded in-dim and to a multiple of 16 tokens, n, pn,
-    pk)``, with what the backward needs of the shapes and dtypes kept on ``ctx``. Zero padding
-    (``padded_shape``) changes no amax, no product and no sum; the results are cut back."""
+    """``(x as a 2-D matrix padded to the weight's padded in-dim and to a multiple of 16 tokens, its
+    tokens, n, pn, pk)``, with what the backward needs of the shapes and dtypes kept on ``ctx``. Zero
+    padding (``padded_shape``) changes no amax, no product and no sum; the results are cut back."""
     n, k = weight.shape
     pn, pk = padded_shape(n, k)
     x2 = x.reshape(-1, k)
     ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
-    return _pad_to(x2, _padded_tokens(x2.shape[0]), pk), n, pn, pk
+    return _pad_to(x2, _padded_tokens(x2.shape[0]), pk), x2.shape[0], n, pn, pk
 
 
-def _output(out, bias, n, x, weight):
-    """The forward GEMM's ``out`` cut back to the tokens and ``n`` columns, with the bias, in
-    ``F.linear``'s dtype: 2-D and not a view (the caller reshapes), as callers write a linear's output
-    in place (``mlp_out += attn_out``), which autograd forbids on a view made inside a Function."""
-    tokens = x.numel() // x.shape[-1]
+def _output(out, bias, n, pn, x, weight):
+    """The forward GEMM's ``out`` cut back to ``n`` columns, with the bias, in ``F.linear``'s dtype:
+    2-D and not a view (the caller reshapes), as callers write a linear's output in place
+    (``mlp_out += attn_out``), which autograd forbids on a view made inside a Function."""
     if bias is not None:
-        out = out[:tokens, :n] + bias
-    elif not statically_known_true(out.shape[0] == tokens) or out.shape[1] != n:
-        out = out[:tokens, :n].contiguous()
+        out = out[:, :n] + bias
+    elif pn != n:
+        out = out[:, :n].contiguous()
     return out.to(_output_dtype(x, weight))
 
 
 def _gradients(ctx, grad_x, grad_w, g2):
     """The backward's ``(dx, dw, db)`` cut back to the unpadded shapes, in the inputs' dtypes."""
-    (tokens, n), k = g2.shape, ctx.input_shape[-1]
+    n, k = g2.shape[1], ctx.input_shape[-1]
     grad_b = None if ctx.bias_dtype is None else g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-    grad_x = grad_x[:tokens, :k].reshape(ctx.input_shape).to(ctx.input_dtype)
-    return grad_x, grad_w[:n, :k].to(ctx.weight_dtype), grad_b
+    return grad_x[:, :k].reshape(ctx.input_shape).to(ctx.input_dtype), grad_w[:n, :k].to(ctx.weight_dtype), grad_b
 
 
 class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, power_of_two, fast_accum, amax_history, scale, grad_amax_history, grad_scale):
-        xp, n, pn, pk = _padded_input(ctx, x, weight, bias)
+        xp, m, n, pn, pk = _padded_input(ctx, x, weight, bias)
         x_fp8, x_inv = _quantize(xp, fp8.E4M3, power_of_two, amax_history, scale, 0)
         if isinstance(weight, Fp8Weight):  # gathered in e4m3 (fp8_all_gather): cast already
             w_fp8, w_inv = _pad_to(weight.qdata.view(torch.uint8), pn, pk).view(fp8.E4M3), weight.scale.reciprocal()
@@ -252,8 +250,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.grad_state = (grad_amax_history, grad_scale)
         ctx.power_of_two = power_of_two
         # Column-major already for an (out, in) weight (no copy); a transposed (in, out) one is copied.
-        out = _scaled_mm(x_fp8, x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)
-        return _output(out, bias, n, x, weight)
+        out = _scaled_mm(x_fp8[:m], x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)
+        return _output(out, bias, n, pn, x, weight)
 
     @staticmethod
     # Only eager runs (compiler="eager") call this; AOTAutograd traces it without Dynamo. Dynamo
@@ -264,7 +262,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         x_fp8, x_inv, w_fp8, w_inv = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         g_fp8, g_inv = _quantize(_pad_to(g2, x_fp8.shape[0], w_fp8.shape[0]), fp8.E5M2, ctx.power_of_two, *ctx.grad_state, 0)
-        grad_x = _scaled_mm(g_fp8, g_inv, _col_major(w_fp8), w_inv)
+        grad_x = _scaled_mm(g_fp8[:g2.shape[0]], g_inv, _col_major(w_fp8), w_inv)
         # Both transposed copies in kernels of their own (fp8_transpose: fused into a norm's backward they were slow).
         grad_w = _scaled_mm(transpose_fp8(g_fp8), g_inv, transpose_fp8(x_fp8).t(), x_inv)
         return *_gradients(ctx, grad_x, grad_w, g2), None, None, None, None, None, None
@@ -275,14 +273,14 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, fast_accum):
-        xp, n, pn, pk = _padded_input(ctx, x, weight, bias)
+        xp, m, n, pn, pk = _padded_input(ctx, x, weight, bias)
         wp = _pad_to(weight, pn, pk)
         x_fp8, x_inv = _quantize_rows(xp)
         w_fp8, w_inv = _quantize_rows(wp)
         # What the backward's GEMMs take: w summed over n (dx), x summed over the tokens (dw).
         ctx.save_for_backward(*_quantize_columns(wp), *_quantize_columns(xp))
-        out = _scaled_mm(x_fp8, x_inv, w_fp8.t(), w_inv.t(), fast_accum)
-        return _output(out, bias, n, x, weight)
+        out = _scaled_mm(x_fp8[:m], x_inv[:m], w_fp8.t(), w_inv.t(), fast_accum)
+        return _output(out, bias, n, pn, x, weight)
 
     @staticmethod
     @torch.compiler.disable  # as Fp8LinearFunction.backward
@@ -292,7 +290,8 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
         gp = _pad_to(g2, xt_fp8.shape[1], wt_fp8.shape[1])
         g_fp8, g_inv = _quantize_rows(gp)
         gt_fp8, gt_inv = _quantize_columns(gp)
-        grad_x = _scaled_mm(g_fp8, g_inv, wt_fp8.t(), wt_inv.t())
+        m = g2.shape[0]
+        grad_x = _scaled_mm(g_fp8[:m], g_inv[:m], wt_fp8.t(), wt_inv.t())
         grad_w = _scaled_mm(gt_fp8, gt_inv, xt_fp8.t(), xt_inv.t())
         return *_gradients(ctx, grad_x, grad_w, g2), None
 

@@ -479,13 +479,15 @@ class OutputAddedToInPlace(nn.Module):
 @pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
 @pytest.mark.parametrize("out_features", [64, 1000], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-def test_a_linear_output_written_in_place_runs_in_fp8(out_features, bias):
+@pytest.mark.parametrize("tokens", [(2, 16), (3, 7)], ids=["32-tokens", "21-tokens"])
+def test_a_linear_output_written_in_place_runs_in_fp8(out_features, bias, tokens):
     """The FP8 linear's output is not a view made inside its autograd.Function, which autograd would
-    refuse to let the caller write in place (the pass was skipped on Falcon's graphs)."""
+    refuse to let the caller write in place (the pass was skipped on Falcon's graphs); also where the
+    tokens are padded (21 to 32)."""
     torch.manual_seed(0)
     model = OutputAddedToInPlace(out_features, bias).bfloat16()
     reference = copy.deepcopy(model)
-    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    x = torch.randn(*tokens, 64, dtype=torch.bfloat16)
     _, decisions = _inspected_fp8(model, x)
     assert set(decisions) == {"first.weight", "second.weight"}
     assert all(d.startswith("fp8 e4m3/e5m2") for d in decisions.values())
