@@ -118,6 +118,12 @@ def _pad_to(t, rows, cols):
     return t
 
 
+def _first_rows(t, m):
+    """``t[:m]``, or ``t`` itself where it is known to have ``m`` rows (the graph then stays as it was
+    before the tokens were padded)."""
+    return t if statically_known_true(t.shape[0] == m) else t[:m]
+
+
 def _quantize(t, dtype, power_of_two, history=None, scales=None, row=None):
     """``(t in fp8, inverse scale)``: current scaling, or delayed scaling from ``history[row]``
     (whose entry and ``scales[row]`` are then updated with ``t``'s amax and the scale used)."""
@@ -250,7 +256,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.grad_state = (grad_amax_history, grad_scale)
         ctx.power_of_two = power_of_two
         # Column-major already for an (out, in) weight (no copy); a transposed (in, out) one is copied.
-        out = _scaled_mm(x_fp8[:m], x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)
+        out = _scaled_mm(_first_rows(x_fp8, m), x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)
         return _output(out, bias, n, pn, x, weight)
 
     @staticmethod
@@ -262,7 +268,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         x_fp8, x_inv, w_fp8, w_inv = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         g_fp8, g_inv = _quantize(_pad_to(g2, x_fp8.shape[0], w_fp8.shape[0]), fp8.E5M2, ctx.power_of_two, *ctx.grad_state, 0)
-        grad_x = _scaled_mm(g_fp8[:g2.shape[0]], g_inv, _col_major(w_fp8), w_inv)
+        grad_x = _scaled_mm(_first_rows(g_fp8, g2.shape[0]), g_inv, _col_major(w_fp8), w_inv)
         # Both transposed copies in kernels of their own (fp8_transpose: fused into a norm's backward they were slow).
         grad_w = _scaled_mm(transpose_fp8(g_fp8), g_inv, transpose_fp8(x_fp8).t(), x_inv)
         return *_gradients(ctx, grad_x, grad_w, g2), None, None, None, None, None, None
@@ -279,7 +285,7 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
         w_fp8, w_inv = _quantize_rows(wp)
         # What the backward's GEMMs take: w summed over n (dx), x summed over the tokens (dw).
         ctx.save_for_backward(*_quantize_columns(wp), *_quantize_columns(xp))
-        out = _scaled_mm(x_fp8[:m], x_inv[:m], w_fp8.t(), w_inv.t(), fast_accum)
+        out = _scaled_mm(_first_rows(x_fp8, m), _first_rows(x_inv, m), w_fp8.t(), w_inv.t(), fast_accum)
         return _output(out, bias, n, pn, x, weight)
 
     @staticmethod
@@ -291,7 +297,7 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
         g_fp8, g_inv = _quantize_rows(gp)
         gt_fp8, gt_inv = _quantize_columns(gp)
         m = g2.shape[0]
-        grad_x = _scaled_mm(g_fp8[:m], g_inv[:m], wt_fp8.t(), wt_inv.t())
+        grad_x = _scaled_mm(_first_rows(g_fp8, m), _first_rows(g_inv, m), wt_fp8.t(), wt_inv.t())
         grad_w = _scaled_mm(gt_fp8, gt_inv, xt_fp8.t(), xt_inv.t())
         return *_gradients(ctx, grad_x, grad_w, g2), None
 
