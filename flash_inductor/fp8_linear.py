@@ -267,8 +267,9 @@ class Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_fp8, x_inv, w_fp8, w_inv = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        m = g2.shape[0]
         g_fp8, g_inv = _quantize(_pad_to(g2, x_fp8.shape[0], w_fp8.shape[0]), fp8.E5M2, ctx.power_of_two, *ctx.grad_state, 0)
-        grad_x = _scaled_mm(_first_rows(g_fp8, g2.shape[0]), g_inv, _col_major(w_fp8), w_inv)
+        grad_x = _scaled_mm(_first_rows(g_fp8, m), g_inv, _col_major(w_fp8), w_inv)
         # Both transposed copies in kernels of their own (fp8_transpose: fused into a norm's backward they were slow).
         grad_w = _scaled_mm(transpose_fp8(g_fp8), g_inv, transpose_fp8(x_fp8).t(), x_inv)
         return *_gradients(ctx, grad_x, grad_w, g2), None, None, None, None, None, None

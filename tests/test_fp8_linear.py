@@ -420,7 +420,8 @@ def _check_linear_against_bf16(layer, x, options):
 def test_a_token_count_off_16_is_zero_padded_for_the_weight_gradient_gemm(fp8_mode):
     """The tokens are the K of the weight-gradient GEMM (dw = dy.T @ x), which ``_scaled_mm`` wants a
     multiple of 16: ViT's 4 images of 197 tokens (788) failed to compile on an H100. The tokens are
-    padded with zero rows, which change no amax and no sum, and cut back. (The CPU's ``_scaled_mm``
+    padded with zero rows, which change no amax and no sum; the forward and dx GEMMs take the unpadded
+    rows. (The CPU's ``_scaled_mm``
     refuses what the GPU's refuses: without the padding this test fails there too.)"""
     torch.manual_seed(0)
     x = torch.randn(3, 7, 64, dtype=torch.bfloat16)  # 21 tokens
