@@ -144,6 +144,12 @@
 #   rowwisecompile issue 14: the first step's compile, row-wise against tensorwise, on the Llama cut to 2 layers (full
 #              shapes, is_causal, 10 steps), each row in its own process with an empty Inductor cache; the report's
 #              compile seconds per graph; files named by the card (h100 / h200)
+#   division   issue 14: FP8 scales computed without an fp32 division, and the model graphs' own divisions left to
+#              Inductor's default (approximate in Triton, as a stock torch.compile); by PART, one or several in order:
+#              tests (the GPU tests of FP8 scales, linears, row-wise and token counts), layers2 (the Llama cut to 2
+#              layers: tensorwise and row-wise, each also with +exactdiv, every kernel of 3 profiled steps), speed
+#              (the Llama: the baseline against tensorwise and row-wise, 40 steps, 20 back to back); files named by
+#              the card (h100 / h200)
 #   multigpu   issue 17, on a machine of 2 or 8 GPUs (logs named by the GPU count), one part per call
 #              (each fits 10 minutes), MGPU_PART=: tests (the NCCL variants of the distributed tests, default),
 #              124m / 1b (DDP and FSDP2, bf16 vs fp8_collectives, 200 steps), 124m_single / 1b_single (the
@@ -617,6 +623,25 @@ case $stage in
     for config in flashoptim_fp8+fastaccum+cudagraphs flashoptim_fp8+rowwise+fastaccum+cudagraphs; do
       TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) logged "hf_clients_llama2l_compile_${config//+/_}_$card" "${LIMIT:-200}" \
         hf_clients.py --model llama --layers 2 --attention is_causal --configs "$config" --steps 10 --log-every 5
+    done
+    ;;
+  division)
+    for part in ${PART:-tests layers2}; do
+      case $part in
+        tests)
+          timeout 260 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8_delayed.py tests/test_fp8_formats.py \
+            -k "token_count or fp8 or rowwise or transpose or spec or default_division or attention_projections" 2>&1 \
+            | grep -v "^DEBUG" > "$out/gpu_tests_division_$card.log"
+          tail -4 "$out/gpu_tests_division_$card.log" ;;
+        layers2)
+          logged "hf_clients_llama2l_division_profile_$card" 330 hf_clients.py --model llama --layers 2 \
+            --attention is_causal --steps 30 --log-every 10 --pipelined 20 --profile 3 --profile-top 60 --configs \
+            flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+fastaccum+cudagraphs+exactdiv,flashoptim_fp8+rowwise+fastaccum+cudagraphs,flashoptim_fp8+rowwise+fastaccum+cudagraphs+exactdiv ;;
+        speed)
+          logged "hf_clients_llama_division_$card" "${LIMIT:-580}" hf_clients.py --model llama --attention is_causal \
+            --configs "${CONFIGS:-baseline,flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+rowwise+fastaccum+cudagraphs}" \
+            --steps 40 --log-every 20 --pipelined 20 ;;
+      esac
     done
     ;;
   multigpu)

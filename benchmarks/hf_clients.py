@@ -53,6 +53,9 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
                         flash_inductor.linear_cross_entropy on its last hidden state itself)
     +recompute          the backend's recompute_elementwise=True: a norm's output and silu(gate) * up recomputed in
                         the backward instead of saved for its matmuls
+    +exactdiv           every fp32 division of the compiled graphs correctly rounded (Inductor's
+                        eager_numerics.division_rounding, which the backend set for FP8 model graphs before the
+                        thirty-fourth session; now Triton's approximate division, as in a stock torch.compile)
     +copygrads          the step copies every gradient into the flat buffers before its kernel runs, as it did
                         before the hand-written kernel read them where the backward left them (an A/B of that)
     +emulate_NAME       fp32 states (as +fp32states) rounded after every step through the format NAME of
@@ -409,6 +412,7 @@ MODIFIERS = {
     "chunkedloss": dict(loss_chunk_rows=1024),
     "copygrads": dict(copy_gradients=True),
     "recompute": dict(recompute_elementwise=True),
+    "exactdiv": dict(inductor={"eager_numerics.division_rounding": True}),
     # fp32 states rounded after every step through a format of state_candidates.py: its effect on training
     **{f"emulate_{name}": dict(state_bits=None, emulate_states=name) for name in STATE_CANDIDATES},
 }

@@ -151,11 +151,9 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
     patches = {}
     is_step = any(p.required_for_prepared and p.name in result.rewritten for p in passes.TORCH_PASSES)
     if result.rewritten:
+        # Inductor's default division stays (approximate in Triton, as for a stock torch.compile):
+        # FP8 scales are computed without an fp32 division (formats/fp8.py), so they follow the spec.
         patches.update(_compat.inductor_patches_for_rewritten_graphs())
-        if not is_step:
-            # FP8 scales follow the spec bit for bit (tests/test_fp8_delayed.py); Triton's default fp32
-            # division is approximate. An optimizer step's divisions may be approximate (DESIGN §3).
-            patches["eager_numerics.division_rounding"] = True
     if is_step:
         # An optimizer step (the storage passes rewrote it): Inductor's pattern matcher looks for
         # matmul/attention patterns it has none of; off, a 16-tensor step compiled 12% faster on

@@ -185,6 +185,38 @@ def test_power_of_two_scale_is_rounded_fp32_scale(amaxes):
         assert (a.double() * got.double() <= fp8.max_value(dtype) * (1 + 2.0**-24)).all()
 
 
+def _amaxes_at_every_exponent():
+    """fp32 amaxes from 1e-12 up: at every exponent the mantissas 1, 1.75 and its two neighbours and
+    the largest; every mantissa at three exponents (amaxes in [1e-12's binade], [1, 2), the largest)."""
+    def with_exponents(exponents, mantissas):
+        return ((exponents[:, None] << 23) | mantissas[None, :]).reshape(-1).view(torch.float32)
+
+    lowest = torch.tensor(1e-12).view(torch.int32).item() >> 23
+    edges = with_exponents(torch.arange(lowest, 255, dtype=torch.int32),
+                           torch.tensor([0, 1, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFF], dtype=torch.int32))
+    every = with_exponents(torch.tensor([lowest, 127, 254], dtype=torch.int32), torch.arange(1 << 23, dtype=torch.int32))
+    return torch.cat([edges, every[every >= 1e-12]])
+
+
+def _ref_pow2_floor(v):
+    """``ref_pow2_floor`` of every element of the float64 tensor ``v`` (frexp: v = m * 2**e, 0.5 <= m < 1)."""
+    return torch.ldexp(torch.ones_like(v), torch.frexp(v).exponent - 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_scales_are_the_spec_at_every_exponent_and_mantissa_edge(dtype):
+    """§2.4's scale, correctly rounded fp32 and rounded down to a power of two, for every exponent's
+    mantissa edges and every mantissa of three binades (25M amaxes; every one of the 1.4G fp32 amaxes
+    from 1e-12 up, both formats, was checked once the same way, session 34)."""
+    a = _amaxes_at_every_exponent()
+    want = ref_scale(a, FORMAT[dtype][2])
+    assert same_bits(fp8.scale_from_amax(a, dtype), want.float())
+    assert same_bits(fp8.scale_from_amax(a, dtype, power_of_two=True), _ref_pow2_floor(want).float())
+    got = fp8.scale_from_amax(torch.tensor([0.0, -1.0, INF, NAN]), dtype, power_of_two=True).tolist()
+    floor = ref_pow2_floor(ref_scale(0.0, FORMAT[dtype][2]).item())
+    assert got[:3] == [floor, floor, 0.0] and math.isnan(got[3])
+
+
 @fast
 @given(st.lists(st.floats(min_value=0.0, max_value=2.0**100, width=32), min_size=2, max_size=8),
        st.booleans())
@@ -393,6 +425,26 @@ def _delayed_cast(x, history, previous_scale):
     current = fp8.scale_from_amax(a, fp8.E4M3)
     out += [fp8.cast_to_fp8(x, current, fp8.E4M3), current, fp8.update_amax_history(history, a)]
     return out
+
+
+def _every_scale(amaxes, previous):
+    return [fp8.scale_from_amax(amaxes, dtype, previous, power_of_two) for dtype in DTYPES for power_of_two in (False, True)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_scales_are_eagers_bits_under_inductors_default_division(device, fresh_dynamo):
+    """Inductor's default fp32 division in Triton is approximate (``eager_numerics.division_rounding``
+    off, which the backend leaves for the graphs it rewrites, as a stock torch.compile does): scales
+    compiled so are still eager's correctly rounded bits, per-tensor and power-of-two. A million
+    amaxes over 170 binades, 0, inf and nan."""
+    gen = torch.Generator().manual_seed(0)
+    amaxes = torch.cat([torch.exp2(torch.rand(1 << 20, generator=gen, dtype=torch.float64) * 170 - 45).float(),
+                        torch.tensor([0.0, INF, NAN])])
+    previous = torch.full_like(amaxes, 3.0)
+    fn = torch.compile(_every_scale, backend="inductor", fullgraph=True, dynamic=False)
+    compiled = fn(amaxes.to(device), previous.to(device))
+    for got, want in zip(compiled, _every_scale(amaxes, previous)):
+        assert same_bits(got.cpu(), want)
 
 
 @pytest.mark.slow

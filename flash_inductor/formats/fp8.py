@@ -20,11 +20,17 @@ the *dequantization* factors, i.e. ``scale.reciprocal()`` (fp32, one element), a
 by the rounded reciprocal; the two agree exactly for power-of-two scales and within one fp32 rounding
 otherwise.
 
-Power-of-two scales (MS-AMP, ``power_of_two=True``): the fp32 scale is rounded *down* to
-``2 ** floor(log2(scale))`` by clearing its mantissa bits (exact; no float log2). Multiplying by such a
-scale is exact, so the cast rounds only once, and dequantization is exact. Rounding down keeps
-``amax * scale <= fp8_max`` except when the fp32 division itself rounded up onto a power of two (then the
-excess is below 2**-24 relative and the clamp absorbs it).
+Power-of-two scales (MS-AMP, ``power_of_two=True``): the fp32 scale rounded *down* to
+``2 ** floor(log2(scale))``. Multiplying by such a scale is exact, so the cast rounds only once, and
+dequantization is exact. Rounding down keeps ``amax * scale <= fp8_max`` except when the fp32
+division itself rounded up onto a power of two (then the excess is below 2**-24 relative and the
+clamp absorbs it). It is computed from amax's exponent and mantissa, without the division
+(``_power_of_two_scale``); ``round_down_to_power_of_two`` rounds any fp32 value so, by clearing its
+mantissa bits.
+
+How a compiler divides does not change a scale: Triton's default fp32 division is approximate
+(Inductor's ``eager_numerics.division_rounding`` off), and the per-tensor scale's division is done
+in fp64 (``scale_from_amax``).
 
 Row-wise scaling (torchao's "rowwise" recipe): one scale per row of a 2-D GEMM operand, the row
 being along the dimension the GEMM sums over, so an outlier spoils the precision of its row only:
@@ -69,6 +75,8 @@ Edge cases:
   to zero below half the smallest subnormal, like any cast.
 """
 
+import math
+
 import torch
 
 E4M3 = torch.float8_e4m3fn
@@ -76,6 +84,9 @@ E5M2 = torch.float8_e5m2
 AMAX_FLOOR = 1e-12
 HISTORY_LENGTH = 16
 _MAX = {E4M3: 448.0, E5M2: 57344.0}
+_MAX_EXPONENT = {dtype: int(math.log2(m / 1.75)) for dtype, m in _MAX.items()}  # each max is 1.75 * 2**E
+_MANTISSA_BITS, _FP32_BIAS = 23, 127
+_MANTISSA_OF_1_75 = 3 << 21  # the stored mantissa bits of 1.75 (binary 1.11)
 _SMALLEST_NORMAL = 2.0**-126
 _SUBNORMAL_LIFT = 64  # 2**64 * (smallest fp32 subnormal, 2**-149) is a normal number
 
@@ -114,22 +125,45 @@ def round_down_to_power_of_two(scale):
 
 
 def scale_from_amax(amax, dtype, previous_scale=None, power_of_two=False):
-    """``fp8_max / max(amax, 1e-12)`` in fp32 (elementwise over ``amax``).
+    """``fp8_max / max(amax, 1e-12)`` in fp32 (elementwise over ``amax``), correctly rounded.
 
-    ``power_of_two``: round the scale down to a power of two. ``previous_scale``: returned instead
-    where ``amax`` is 0 or not finite (it is not rounded again).
+    ``power_of_two``: the scale rounded down to a power of two. ``previous_scale``: returned instead
+    where ``amax`` is 0 or not finite (it is not rounded again). Neither form divides in fp32, so the
+    bits do not depend on how a compiler divides (Triton's default fp32 division is approximate).
     """
-    a = amax.to(torch.float32)
-    # A tensor numerator: Python's ``float / tensor`` computes ``reciprocal(t) * float`` (two roundings).
-    scale = torch.full_like(a, max_value(dtype)) / a.clamp(min=AMAX_FLOOR)
+    fp8_max = max_value(dtype)
+    amax = amax.to(torch.float32)
+    a = amax.clamp(min=AMAX_FLOOR)
     if power_of_two:
-        # The subnormal lift is never needed here (see Edge cases), but without it torch 2.13's
-        # vectorized C++ gave NaN row-wise gradients (tests/test_hf_zoo.py, row-wise through Inductor).
-        scale = round_down_to_power_of_two(scale)
+        scale = _power_of_two_scale(a, dtype)
+    else:
+        # Divided in fp64 and rounded once more to fp32: exactly fp32's correctly rounded quotient, as
+        # fp64 holds over twice fp32's 24 bits and more (double rounding is innocuous, Figueroa 1995).
+        # A tensor numerator: Python's ``float / tensor`` computes ``reciprocal(t) * float`` (two roundings).
+        a64 = a.to(torch.float64)
+        scale = (torch.full_like(a64, fp8_max) / a64).to(torch.float32)
     if previous_scale is not None:
-        valid = (a > 0) & torch.isfinite(a)
+        valid = (amax > 0) & torch.isfinite(amax)
         scale = torch.where(valid, scale, previous_scale)
     return scale
+
+
+def _power_of_two_scale(a, dtype):
+    """``2 ** floor(log2(fp32(fp8_max / a)))`` for fp32 ``a >= 1e-12``, from ``a``'s exponent and mantissa.
+
+    Both formats' max is 1.75 * 2**E (E = 8 for e4m3, 15 for e5m2). With a = m * 2**e (1 <= m < 2),
+    fp8_max / a = (1.75 / m) * 2**(E - e): its power of two is 2**(E - e) while m <= 1.75 and
+    2**(E - e - 1) above, where 1.75 / m < 1 - 2**-24 stays under 1 after fp32's rounding (m is at least
+    1.75 + 2**-23 there). No division, about six integer operations per element: a cast reads the scale
+    of its row or column for every element it casts (Inductor computes it where it is read).
+    An infinite ``a`` gives 0 and a nan gives nan, as the division would.
+    """
+    bits = a.view(torch.int32)
+    exponent = (bits >> _MANTISSA_BITS) & 0xFF  # biased; 255 for inf and nan
+    above_1_75 = (bits & ((1 << _MANTISSA_BITS) - 1)) > _MANTISSA_OF_1_75
+    scale_exponent = 2 * _FP32_BIAS + _MAX_EXPONENT[dtype] - exponent - above_1_75.to(torch.int32)
+    scale = (scale_exponent << _MANTISSA_BITS).view(torch.float32)
+    return torch.where(torch.isfinite(a), scale, torch.where(torch.isnan(a), a, torch.zeros_like(a)))
 
 
 def cast_to_fp8(x, scale, dtype):
