@@ -133,8 +133,29 @@ ARCHITECTURES = {
         num_attention_heads=d["heads"], pad_token_id=0, mask_time_prob=0.0, ctc_loss_reduction="mean",
         **({} if d["samples"] > 10000 else dict(conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
                                                 num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)))),
+    # multi-head latent attention (low-rank q and kv projections with norms between), a first dense layer, then
+    # routed and shared experts; its router multiplies by its weight in fp32 (F.linear on .float())
+    "deepseek_v3": lambda T, d: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], moe_intermediate_size=d["inter"] // 2,
+        num_hidden_layers=d["layers"], num_attention_heads=d["heads"], num_key_value_heads=d["heads"],
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=d["hidden"] // 2, kv_lora_rank=d["hidden"] // 2, qk_rope_head_dim=d["hidden"] // d["heads"] // 2,
+        qk_nope_head_dim=d["hidden"] // d["heads"], v_head_dim=d["hidden"] // d["heads"],
+        max_position_embeddings=max(64, d["seq"]))),
+    # a state-space model: no attention, a depthwise causal convolution, parameters A_log and D used elementwise
+    "mamba": lambda T, d: T.MambaForCausalLM(T.MambaConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], num_hidden_layers=d["layers"], state_size=16, expand=2)),
+    # encoder-decoder, embeddings shared by encoder, decoder and lm_head, learned positions
+    "bart": lambda T, d: T.BartForConditionalGeneration(T.BartConfig(
+        vocab_size=d["vocab"], d_model=d["hidden"], encoder_layers=d["layers"], decoder_layers=d["layers"],
+        encoder_attention_heads=d["heads"], decoder_attention_heads=d["heads"], encoder_ffn_dim=d["inter"],
+        decoder_ffn_dim=d["inter"], max_position_embeddings=max(64, d["seq"]))),
+    # windowed attention with a relative position bias table (a parameter gathered by a buffer of indices)
+    "swin": lambda T, d: T.SwinForImageClassification(T.SwinConfig(
+        image_size=d["image"], patch_size=d["patch"] // 2, embed_dim=d["hidden"] // 2, depths=[1, 1],
+        num_heads=[d["heads"] // 2, d["heads"]], window_size=d["image"] // d["patch"], num_labels=d["labels"])),
 }
-IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext"}
+IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext", "swin"}
 AUDIO_MODELS = {"whisper"}  # mel features
 WAVEFORM_MODELS = {"wav2vec2"}
 ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs",

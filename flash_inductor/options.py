@@ -26,8 +26,8 @@ class Options:
 
     disable: names of passes to switch off (see ``flash_inductor.passes.ALL_PASSES``).
     inductor: extra Inductor config patches, e.g. ``{"combo_kernels": True}``; they override the
-        backend's defaults for rewritten graphs (``{"eager_numerics.division_rounding": False}``
-        trades eager-identical codes for approximate division), except ``emulate_precision_casts``,
+        backend's defaults for rewritten graphs (``{"eager_numerics.division_rounding": True}``
+        makes Triton's fp32 divisions exactly rounded, as eager's, at some speed), except ``emulate_precision_casts``,
         which rewritten graphs need. A ``post_grad_custom_post_pass`` there (or in Inductor's config)
         runs after the backend's aten-level passes.
     dump: folder to write every graph before and after each pass to (also ``FLASHOPTIM_DUMP``).
