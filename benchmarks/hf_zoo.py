@@ -154,10 +154,19 @@ ARCHITECTURES = {
     "swin": lambda T, d: T.SwinForImageClassification(T.SwinConfig(
         image_size=d["image"], patch_size=d["patch"] // 2, embed_dim=d["hidden"] // 2, depths=[1, 1],
         num_heads=[d["heads"] // 2, d["heads"]], window_size=d["image"] // d["patch"], num_labels=d["labels"])),
+    # two towers and a contrastive loss over the batch's image-text pairs, scaled by exp of a 0-dim parameter
+    "clip": lambda T, d: T.CLIPModel(T.CLIPConfig(
+        text_config=dict(vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"],
+                         num_hidden_layers=d["layers"], num_attention_heads=d["heads"],
+                         max_position_embeddings=max(64, d["seq"]), bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+                           num_attention_heads=d["heads"], image_size=d["image"], patch_size=d["patch"]),
+        projection_dim=d["hidden"] // 2)),
 }
 IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext", "swin"}
 AUDIO_MODELS = {"whisper"}  # mel features
 WAVEFORM_MODELS = {"wav2vec2"}
+CONTRASTIVE_MODELS = {"clip"}  # tokens and images in pairs
 ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs",
         "flashoptim+recompute", "flashoptim_fp8+recompute", "flashoptim_fp8+rowwise")
 DEFAULT_ROWS = ROWS[:3]
@@ -182,11 +191,14 @@ def build_model(name, size, device):
 def fixed_batch(name, size, device):
     """The one batch every row of model ``name`` trains on: random tokens (their ids are also the
     labels), or fp32 random images with random classes, or fp32 random mel features or waveforms with random
-    tokens."""
+    tokens, or random tokens and images as pairs."""
     d = SIZES[size]
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, d["vocab"], (d["batch"], d["seq"]), generator=gen)
-    if name in IMAGE_MODELS:
+    if name in CONTRASTIVE_MODELS:
+        batch = dict(input_ids=ids, pixel_values=torch.randn(d["batch"], 3, d["image"], d["image"], generator=gen),
+                     return_loss=True)
+    elif name in IMAGE_MODELS:
         batch = dict(pixel_values=torch.randn(d["batch"], 3, d["image"], d["image"], generator=gen),
                      labels=torch.randint(0, d["labels"], (d["batch"],), generator=gen))
     elif name in AUDIO_MODELS:
@@ -196,7 +208,7 @@ def fixed_batch(name, size, device):
                      labels=ids[:, :d["seq"] // 8].clamp(min=1))
     else:
         batch = dict(input_ids=ids, labels=ids)
-    return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def make_step(row, model, args):
