@@ -670,9 +670,14 @@ def parse_args(argv):
 
 
 def git_commit():
+    """The checkout's commit, with "+changes" where tracked files differ from it: the device machine's copy
+    of a working tree keeps the commit its session started from, whatever was committed since."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=pathlib.Path(__file__).parent,
+                              check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=pathlib.Path(__file__).parent, check=True).stdout.strip()
+        return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return None
 
