@@ -134,7 +134,7 @@ def _quantize(t, dtype, power_of_two, history=None, scales=None, row=None):
         scale = fp8.scale_from_history(history[row], dtype, scales[row], power_of_two, current_amax=amax)
         history[row].copy_(fp8.update_amax_history(history[row], amax))
         scales[row].copy_(scale)
-    return fp8.cast_to_fp8(t, scale, dtype), scale.reciprocal()
+    return fp8.cast_to_fp8(t, scale, dtype), fp8.inverse_scale(scale)
 
 
 def _row_scales(t):
@@ -146,7 +146,7 @@ def _row_scales(t):
 def _quantize_rows(t):
     """``(t in e4m3, row-major, cast by rows; the inverse scales (rows, 1))``."""
     scale = _row_scales(t)
-    return fp8.cast_to_fp8(t, scale, fp8.E4M3).contiguous(), scale.reciprocal()
+    return fp8.cast_to_fp8(t, scale, fp8.E4M3).contiguous(), fp8.inverse_scale(scale)
 
 
 def _quantize_columns(t):
@@ -155,7 +155,7 @@ def _quantize_columns(t):
     transposed bytes from the kernel that produces ``t``, an RMSNorm's forward or backward among
     them, a column apart per row (the slow kernels ``fp8_transpose`` describes)."""
     scale = _row_scales(t.t())
-    return transpose_fp8(fp8.cast_to_fp8(t, scale.t(), fp8.E4M3)), scale.reciprocal()
+    return transpose_fp8(fp8.cast_to_fp8(t, scale.t(), fp8.E4M3)), fp8.inverse_scale(scale)
 
 
 def _refuse_what_cuda_refuses(a, a_inv_scale, b_t, b_inv_scale):
@@ -247,7 +247,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         xp, m, n, pn, pk = _padded_input(ctx, x, weight, bias)
         x_fp8, x_inv = _quantize(xp, fp8.E4M3, power_of_two, amax_history, scale, 0)
         if isinstance(weight, Fp8Weight):  # gathered in e4m3 (fp8_all_gather): cast already
-            w_fp8, w_inv = _pad_to(weight.qdata.view(torch.uint8), pn, pk).view(fp8.E4M3), weight.scale.reciprocal()
+            w_fp8, w_inv = _pad_to(weight.qdata.view(torch.uint8), pn, pk).view(fp8.E4M3), fp8.inverse_scale(weight.scale)
         else:
             w_fp8, w_inv = _quantize(_pad_to(weight, pn, pk), fp8.E4M3, power_of_two, amax_history, scale, 1)
         ctx.save_for_backward(x_fp8, x_inv, w_fp8, w_inv)

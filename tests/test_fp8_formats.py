@@ -212,6 +212,7 @@ def test_scales_are_the_spec_at_every_exponent_and_mantissa_edge(dtype):
     want = ref_scale(a, FORMAT[dtype][2])
     assert same_bits(fp8.scale_from_amax(a, dtype), want.float())
     assert same_bits(fp8.scale_from_amax(a, dtype, power_of_two=True), _ref_pow2_floor(want).float())
+    assert same_bits(fp8.inverse_scale(want.float()), f32(1 / want).float())  # correctly rounded inverses
     got = fp8.scale_from_amax(torch.tensor([0.0, -1.0, INF, NAN]), dtype, power_of_two=True).tolist()
     floor = ref_pow2_floor(ref_scale(0.0, FORMAT[dtype][2]).item())
     assert got[:3] == [floor, floor, 0.0] and math.isnan(got[3])
@@ -428,15 +429,16 @@ def _delayed_cast(x, history, previous_scale):
 
 
 def _every_scale(amaxes, previous):
-    return [fp8.scale_from_amax(amaxes, dtype, previous, power_of_two) for dtype in DTYPES for power_of_two in (False, True)]
+    scales = [fp8.scale_from_amax(amaxes, dtype, previous, power_of_two) for dtype in DTYPES for power_of_two in (False, True)]
+    return scales + [fp8.inverse_scale(s) for s in scales]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_compiled_scales_are_eagers_bits_under_inductors_default_division(device, fresh_dynamo):
     """Inductor's default fp32 division in Triton is approximate (``eager_numerics.division_rounding``
     off, which the backend leaves for the graphs it rewrites, as a stock torch.compile does): scales
-    compiled so are still eager's correctly rounded bits, per-tensor and power-of-two. A million
-    amaxes over 170 binades, 0, inf and nan."""
+    compiled so, and their inverses, are still eager's correctly rounded bits, per-tensor and
+    power-of-two. A million amaxes over 170 binades, 0, inf and nan."""
     gen = torch.Generator().manual_seed(0)
     amaxes = torch.cat([torch.exp2(torch.rand(1 << 20, generator=gen, dtype=torch.float64) * 170 - 45).float(),
                         torch.tensor([0.0, INF, NAN])])

@@ -15,7 +15,7 @@ Per-tensor ("current") scaling, all in fp32:
     x'    = float(x8) / scale
 
 The fp8 value holds ``x * scale``; ``torch._scaled_mm(a8, b8, scale_a, scale_b, out_dtype=bf16)`` wants
-the *dequantization* factors, i.e. ``scale.reciprocal()`` (fp32, one element), and ``b8`` column-major
+the *dequantization* factors, i.e. ``inverse_scale(scale)`` (fp32, one element), and ``b8`` column-major
 (quantize W as [N, K], pass ``w8.t()``). ``dequantize`` divides by the scale, ``_scaled_mm`` multiplies
 by the rounded reciprocal; the two agree exactly for power-of-two scales and within one fp32 rounding
 otherwise.
@@ -28,9 +28,9 @@ clamp absorbs it). It is computed from amax's exponent and mantissa, without the
 (``_power_of_two_scale``); ``round_down_to_power_of_two`` rounds any fp32 value so, by clearing its
 mantissa bits.
 
-How a compiler divides does not change a scale: Triton's default fp32 division is approximate
-(Inductor's ``eager_numerics.division_rounding`` off), and the per-tensor scale's division is done
-in fp64 (``scale_from_amax``).
+How a compiler divides does not change a scale or its inverse: Triton's default fp32 division is
+approximate (Inductor's ``eager_numerics.division_rounding`` off), and the per-tensor scale's
+division and every inverse are done in fp64 (``scale_from_amax``, ``inverse_scale``).
 
 Row-wise scaling (torchao's "rowwise" recipe): one scale per row of a 2-D GEMM operand, the row
 being along the dimension the GEMM sums over, so an outlier spoils the precision of its row only:
@@ -164,6 +164,13 @@ def _power_of_two_scale(a, dtype):
     scale_exponent = 2 * _FP32_BIAS + _MAX_EXPONENT[dtype] - exponent - above_1_75.to(torch.int32)
     scale = (scale_exponent << _MANTISSA_BITS).view(torch.float32)
     return torch.where(torch.isfinite(a), scale, torch.where(torch.isnan(a), a, torch.zeros_like(a)))
+
+
+def inverse_scale(scale):
+    """``1 / scale`` in fp32, correctly rounded (exact for a power of two): the factor ``_scaled_mm``
+    multiplies by. A reciprocal in fp64 rounded to fp32, as ``scale_from_amax`` divides, so that a
+    compiler's approximate fp32 division does not change it."""
+    return torch.reciprocal(scale.to(torch.float64)).to(torch.float32)
 
 
 def cast_to_fp8(x, scale, dtype):
