@@ -64,7 +64,8 @@
 #              and memory are), the first alone until its first step is done (STAGED=0: all at once), then the others
 #              (from the FX graph cache where they share its configuration), merged with hf_clients.py --report-from
 #              into NAME (one JSON, one log);
-#              SEED_ARGS: more arguments for every run (e.g. "--steps 120 --lr-warmup 30")
+#              SEED_ARGS: more arguments for every run (e.g. "--steps 120 --lr-warmup 30"); PARALLEL=N: at most N
+#              runs at once (an H100 holds three baselines), the finished ones merged as each run ends
 #   hfllamagraphs issue 14: the Llama's speed with SDPA's is_causal: the baseline against the FP8 rows with
 #              cudagraphs=True (GRAPH_CONFIGS), 60 steps (GRAPH_STEPS), profiled, then 20 steps back to back
 #              (--pipelined); first the GPU tests of CUDA graphs and FP8 (GRAPH_TESTS=0 skips them); NAME names the output
@@ -178,6 +179,14 @@ logged() {
   local name=$1 limit=$2 script=$3
   shift 3
   timeout "$limit" python "benchmarks/$script" "$@" --out "$out/$name.json" 2>&1 | tee "$out/$name.log"
+}
+# merge_seed_runs DIR NAME: hfllamaseeds' runs in DIR, each log's end into $out/NAME.log and the finished runs'
+# JSON merged into $out/NAME.json
+merge_seed_runs() {
+  for log in "$1"/*.log; do echo "== $log"; grep -v "^W1\|^  warnings" "$log" | tail -n 25; done > "$out/$2.log"
+  if ls "$1"/*.json >/dev/null 2>&1; then
+    python benchmarks/hf_clients.py --report-from "$1"/*.json --out "$out/$2.json" >> "$out/$2.log" 2>&1
+  fi
 }
 # companded_gpu_tests NAME [LIMIT]: every GPU test of the companded and FP8-LM steps and of gradient release, into
 # $out/NAME.log, under `timeout LIMIT` (330 s)
@@ -362,6 +371,12 @@ case $stage in
     # shellcheck disable=SC2086  # RUNS is a list
     for run in ${RUNS:-baseline:1 baseline:2 flashoptim:1 flashoptim:2 flashoptim+fp32act:0 flashoptim+fp32act:1}; do
       config=${run%:*} seed=${run#*:} log="$runs_dir/${config}_s$seed.log"
+      # PARALLEL=N: at most N runs at once; the runs done so far are merged into $out as each ends, so that a
+      # call cut off at its limit still returns them
+      while [ "${PARALLEL:-0}" -gt 0 ] && [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do
+        wait -n
+        merge_seed_runs "$runs_dir" "$name"
+      done
       # 16 cores for the first run's compile, 4 for each of the others'; a block freed by one run is not
       # kept from the others
       TORCHINDUCTOR_COMPILE_THREADS=$([ $first = 1 ] && echo 16 || echo 4) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
@@ -376,8 +391,8 @@ case $stage in
       first=0
     done
     wait
-    for log in "$runs_dir"/*.log; do echo "== $log"; grep -v "^W1\|^  warnings" "$log" | tail -n 25; done > "$out/$name.log"
-    python benchmarks/hf_clients.py --report-from "$runs_dir"/*.json --out "$out/$name.json" 2>&1 | tee -a "$out/$name.log"
+    merge_seed_runs "$runs_dir" "$name"
+    cat "$out/$name.log"
     ;;
   hfllamagraphs)
     if [ "${GRAPH_TESTS:-1}" = 1 ]; then

@@ -150,6 +150,24 @@ ARCHITECTURES = {
         vocab_size=d["vocab"], d_model=d["hidden"], encoder_layers=d["layers"], decoder_layers=d["layers"],
         encoder_attention_heads=d["heads"], decoder_attention_heads=d["heads"], encoder_ffn_dim=d["inter"],
         decoder_ffn_dim=d["inter"], max_position_embeddings=max(64, d["seq"]))),
+    # experts in one 3-D parameter each (ParallelExperts), embedding, attention and logits multipliers;
+    # its FP8 backward reads the attention inputs transposed (bf16 tiles in Inductor's C++ code)
+    "granitemoe": _moe("GraniteMoeConfig", "GraniteMoeForCausalLM", "num_local_experts"),
+    # an encoder that drops padding inside the model (unpadded attention), global and local layers
+    "modernbert": lambda T, d: T.ModernBertForMaskedLM(T.ModernBertConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], max_position_embeddings=max(64, d["seq"]), pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, cls_token_id=1, sep_token_id=2)),
+    # norms after attention and MLP (not before), q and k normalized over all heads
+    "olmo2": _decoder("Olmo2Config", "Olmo2ForCausalLM"),
+    # attention and MLP in parallel from one LayerNorm, rotary on part of each head
+    "gptj": lambda T, d: T.GPTJForCausalLM(T.GPTJConfig(
+        vocab_size=d["vocab"], n_embd=d["hidden"], n_layer=d["layers"], n_head=d["heads"],
+        rotary_dim=d["hidden"] // d["heads"] // 2, n_positions=max(64, d["seq"]))),
+    # embeddings narrower than the hidden size, projected up by a linear
+    "electra": lambda T, d: T.ElectraForMaskedLM(T.ElectraConfig(
+        vocab_size=d["vocab"], embedding_size=d["hidden"] // 2, hidden_size=d["hidden"], intermediate_size=d["inter"],
+        num_hidden_layers=d["layers"], num_attention_heads=d["heads"], max_position_embeddings=max(64, d["seq"]))),
     # windowed attention with a relative position bias table (a parameter gathered by a buffer of indices)
     "swin": lambda T, d: T.SwinForImageClassification(T.SwinConfig(
         image_size=d["image"], patch_size=d["patch"] // 2, embed_dim=d["hidden"] // 2, depths=[1, 1],

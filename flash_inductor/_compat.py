@@ -109,6 +109,63 @@ def cpp_loop_split_keeps_every_element():
         CppScheduling.try_loop_split = original
 
 
+# Two 32 x 32 bf16 tiles transposed in one function by Inductor's C++ helper (what a kernel that reads
+# bf16 tensors across its vectorized dimension does), each tile read back as written.
+_BF16_TILE_TRANSPOSES = """
+#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C" void kernel(const at::BFloat16* a, const at::BFloat16* b, at::BFloat16* out) {
+    alignas(64) at::BFloat16 tile_a[32 * 32];
+    transpose_mxn<at::BFloat16, 32, 32, false>(a, 64, tile_a, 32);
+    for (int i = 0; i < 32 * 32; i++) out[i] = tile_a[i];
+    alignas(64) at::BFloat16 tile_b[32 * 32];
+    transpose_mxn<at::BFloat16, 32, 32, false>(b, 64, tile_b, 32);
+    for (int i = 0; i < 32 * 32; i++) out[32 * 32 + i] = tile_b[i];
+}
+"""
+
+
+@functools.cache
+def cpp_transposes_bf16_tiles_wrongly():
+    """Whether Inductor's 512-bit C++ code transposes bf16 tiles wrongly on this machine.
+
+    Found on torch 2.13 with g++ 12.2 on an AVX-512 CPU: a kernel that transposes two 32 x 32 bf16
+    (or fp16) tiles (``at::vec::transpose_mxn<BFloat16>``) gets 988 of each tile's 1024 elements
+    wrong; 16 x 16 tiles and fp32 are right. It takes Inductor's ``-D STANDALONE_TORCH_HEADER``
+    (``TORCH_CHECK`` then throws ``std::runtime_error``) and ``-O3`` together. Stock
+    ``torch.compile`` of ``a + b.t() + c.t()`` on bf16 64 x 64 tensors returns 3,948 wrong elements
+    of 4,096; a Granite MoE's FP8 backward, which reads its activations transposed, returned NaN
+    gradients. 256-bit code transposes without that helper. The answer comes from compiling and
+    running that kernel once per process."""
+    from torch._inductor import config, cpu_vec_isa
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    with config.patch({"cpp.simdlen": None}):
+        isa = cpu_vec_isa.pick_vec_isa()
+        if not isa or isa.bit_width() < 512:
+            return False
+        try:
+            kernel = CppPythonBindingsCodeCache.load_pybinding(
+                ["const at::BFloat16*", "const at::BFloat16*", "at::BFloat16*"], _BF16_TILE_TRANSPOSES)
+        except Exception:  # noqa: BLE001 - an Inductor without the helper does not emit it either
+            return False
+    a, b = torch.arange(2 * 32 * 64, dtype=torch.int16).view(torch.bfloat16).reshape(2, 32, 64)  # distinct, finite
+    out = torch.empty(2, 32, 32, dtype=torch.bfloat16)
+    kernel(a, b, out)
+    return not torch.equal(out, torch.stack([a[:, :32].t(), b[:, :32].t()]))
+
+
+def cpp_patches(example_inputs):
+    """Inductor settings for a graph with CPU tensors on this machine: 256-bit vectors where the
+    512-bit ones transpose bf16 tiles wrongly (above), unless the user chose a width. (A CUDA
+    graph's 0-dim CPU inputs, an optimizer's step counts, make no C++ kernel worth the probe.)"""
+    from torch._inductor import config
+
+    on_cpu = any(isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0 for x in example_inputs)
+    if on_cpu and config.cpp.simdlen is None and cpp_transposes_bf16_tiles_wrongly():
+        return {"cpp.simdlen": 256}
+    return {}
+
+
 def compile_without_cpp_vectorizer_on_its_known_error(compile_subgraph):
     """``compile_subgraph()``; where the C++ backend's vectorized code fails to compile for a known
     Inductor bug, again with the vectorizer off (``cpp.simdlen = 1``: scalar loops, the same math),

@@ -161,6 +161,7 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
         patches["pattern_matcher"] = False
     if ctx.options.cudagraphs and not ctx.updated_params() and not any(r.kind == roles.GRAD for r in ctx.roles.values()):
         patches["triton.cudagraphs"] = True
+    patches.update(_compat.cpp_patches(example_inputs))
     patches.update(ctx.options.inductor)
     if result.rewritten:
         # Required, not a default: the passes' numerics round to bf16/fp16 inside fused kernels,

@@ -74,6 +74,20 @@ def test_gpt_neox_compiles_with_inductors_cpu_code():
     assert ours[-1] < ours[0] and all(math.isclose(a, b, rel_tol=0.01) for a, b in zip(ours, stock)), (ours, stock)
 
 
+def test_granite_moe_trains_in_fp8_through_inductors_cpu_code():
+    """Granite MoE's FP8 backward reads its attention inputs transposed, which Inductor's C++ code
+    does by 32 x 32 bf16 tiles. Where its 512-bit tile transposes are wrong (torch 2.13, g++ 12.2,
+    AVX-512) the second loss was NaN: layer 0's q/k/v gradients were. The backend compiles with
+    256-bit vectors there (flash_inductor/_compat.py)."""
+    bench = benchmark_module("hf_zoo")
+    rows = bench.main(["--device", "cpu", "--size", "tiny", "--steps", "3", "--models", "granitemoe",
+                       "--rows", "stock,flashoptim_fp8"])["granitemoe"]
+    assert all(r["ok"] for r in rows.values()), {row: r.get("error") for row, r in rows.items()}
+    stock, r = rows["stock"]["losses"], rows["flashoptim_fp8"]
+    assert r["fp8"] == 8, (r["fp8"], r["bf16"])
+    assert all(math.isclose(a, b, rel_tol=0.01) for a, b in zip(r["losses"], stock)), (r["losses"], stock)
+
+
 def test_llama_trains_in_rowwise_fp8_through_inductors_cpu_code():
     """A Llama's row-wise FP8 step through Inductor's C++ code: each row's power-of-two scale is bit
     operations that Inductor vectorizes. A leaner form of that rounding (without the subnormal lift)

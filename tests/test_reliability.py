@@ -105,6 +105,38 @@ def test_last_partial_group_updates_under_inductor(name):
         assert err < 0.1 * kwargs["lr"] * 3, f"{n}: {err:.3g} off the fp32 reference"
 
 
+def _sum_of_transposed_bf16(a, b, c):
+    """A kernel that reads ``b`` and ``c`` across its vectorized dimension: Inductor's C++ code
+    transposes a 32 x 32 tile of each."""
+    return a.float() + 2 * b.t().float() + c.t().float()
+
+
+def _bf16_inputs():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(64, 64, generator=g).to(torch.bfloat16) for _ in range(3)]
+
+
+def test_bf16_tiles_read_transposed_compile_to_the_eager_result():
+    """Where Inductor's 512-bit C++ code transposes bf16 tiles wrongly (torch 2.13, g++ 12.2,
+    AVX-512; flash_inductor/_compat.py), the backend compiles with 256-bit vectors: a Granite MoE's
+    FP8 backward had returned NaN gradients."""
+    inputs = _bf16_inputs()
+    torch._dynamo.reset()
+    got = torch.compile(_sum_of_transposed_bf16, backend="flashoptim")(*inputs)
+    torch.testing.assert_close(got, _sum_of_transposed_bf16(*inputs), rtol=0, atol=0)
+
+
+def test_the_transpose_probe_says_what_stock_inductor_computes():
+    """``_compat.cpp_transposes_bf16_tiles_wrongly`` is True exactly where stock ``torch.compile``
+    gets the transposed bf16 sum wrong on this machine (3,948 of 4,096 elements, where it is)."""
+    from flash_inductor import _compat
+
+    inputs = _bf16_inputs()
+    torch._dynamo.reset()
+    stock = torch.compile(_sum_of_transposed_bf16, backend="inductor")(*inputs)
+    assert _compat.cpp_transposes_bf16_tiles_wrongly() == (not torch.equal(stock, _sum_of_transposed_bf16(*inputs)))
+
+
 # ------------------------------------------------------------------ 2. model.load_state_dict after prepare
 
 
