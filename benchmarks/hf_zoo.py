@@ -168,6 +168,32 @@ ARCHITECTURES = {
     "electra": lambda T, d: T.ElectraForMaskedLM(T.ElectraConfig(
         vocab_size=d["vocab"], embedding_size=d["hidden"] // 2, hidden_size=d["hidden"], intermediate_size=d["inter"],
         num_hidden_layers=d["layers"], num_attention_heads=d["heads"], max_position_embeddings=max(64, d["seq"]))),
+    # a vision tower (CLIP) whose patch features a projector puts in place of the image tokens of a
+    # Llama's input; CLIP's post_layernorm feeds nothing the loss reads
+    "llava": lambda T, d: T.LlavaForConditionalGeneration(T.LlavaConfig(
+        vision_config=T.CLIPVisionConfig(hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+                                         num_attention_heads=d["heads"], image_size=d["image"], patch_size=d["patch"]),
+        text_config=T.LlamaConfig(vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"],
+                                  num_hidden_layers=d["layers"], num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"],
+                                  max_position_embeddings=max(64, d["seq"])),
+        image_token_index=d["vocab"] - 1, vision_feature_layer=-1, vision_feature_select_strategy="full")),
+    # one layer's weights shared by every layer, embeddings projected up to the hidden size
+    "albert": lambda T, d: T.AlbertForMaskedLM(T.AlbertConfig(
+        vocab_size=d["vocab"], embedding_size=d["hidden"] // 2, hidden_size=d["hidden"], intermediate_size=d["inter"],
+        num_hidden_layers=d["layers"], num_attention_heads=d["heads"], max_position_embeddings=max(64, d["seq"]))),
+    # disentangled attention: content and relative-position projections, positions in buckets
+    "deberta_v2": lambda T, d: T.DebertaV2ForMaskedLM(T.DebertaV2Config(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], max_position_embeddings=max(64, d["seq"]), relative_attention=True,
+        position_buckets=16, pos_att_type=["p2c", "c2p"])),
+    "olmoe": _moe("OlmoeConfig", "OlmoeForCausalLM", "num_experts"),
+    # state-space duality: a chunked scan (torch ops without the mamba_ssm kernels), grouped heads
+    "mamba2": lambda T, d: T.Mamba2ForCausalLM(T.Mamba2Config(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], num_hidden_layers=d["layers"], state_size=16, expand=2,
+        num_heads=d["hidden"] * 2 // 16, head_dim=16, n_groups=1, chunk_size=16)),
+    "stablelm": _decoder("StableLmConfig", "StableLmForCausalLM"),
+    # LayerNorm without bias, attention and MLP in parallel, logits scaled
+    "cohere": _decoder("CohereConfig", "CohereForCausalLM"),
     # windowed attention with a relative position bias table (a parameter gathered by a buffer of indices)
     "swin": lambda T, d: T.SwinForImageClassification(T.SwinConfig(
         image_size=d["image"], patch_size=d["patch"] // 2, embed_dim=d["hidden"] // 2, depths=[1, 1],
@@ -185,6 +211,7 @@ IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext", "swin"}
 AUDIO_MODELS = {"whisper"}  # mel features
 WAVEFORM_MODELS = {"wav2vec2"}
 CONTRASTIVE_MODELS = {"clip"}  # tokens and images in pairs
+IMAGE_TEXT_MODELS = {"llava"}  # one image's patch features in place of its tokens, then text
 ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs",
         "flashoptim+recompute", "flashoptim_fp8+recompute", "flashoptim_fp8+rowwise")
 DEFAULT_ROWS = ROWS[:3]
@@ -209,7 +236,7 @@ def build_model(name, size, device):
 def fixed_batch(name, size, device):
     """The one batch every row of model ``name`` trains on: random tokens (their ids are also the
     labels), or fp32 random images with random classes, or fp32 random mel features or waveforms with random
-    tokens, or random tokens and images as pairs."""
+    tokens, or random tokens and images as pairs, or an image and tokens that hold its image tokens."""
     d = SIZES[size]
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, d["vocab"], (d["batch"], d["seq"]), generator=gen)
@@ -221,6 +248,12 @@ def fixed_batch(name, size, device):
                      labels=torch.randint(0, d["labels"], (d["batch"],), generator=gen))
     elif name in AUDIO_MODELS:
         batch = dict(input_features=torch.randn(d["batch"], d["mel"], d["frames"], generator=gen), labels=ids)
+    elif name in IMAGE_TEXT_MODELS:  # after the first token, one image token per patch and CLIP's class token
+        image_tokens = (d["image"] // d["patch"]) ** 2 + 1
+        ids = ids.clamp(max=d["vocab"] - 2)
+        ids[:, 1:1 + image_tokens] = d["vocab"] - 1
+        batch = dict(input_ids=ids, pixel_values=torch.randn(d["batch"], 3, d["image"], d["image"], generator=gen),
+                     labels=ids.masked_fill(ids == d["vocab"] - 1, -100))
     elif name in WAVEFORM_MODELS:  # CTC's labels: fewer than the frames, none the blank (0)
         batch = dict(input_values=torch.randn(d["batch"], d["samples"], generator=gen),
                      labels=ids[:, :d["seq"] // 8].clamp(min=1))
