@@ -101,3 +101,69 @@ def test_llama_trains_in_rowwise_fp8_through_inductors_cpu_code():
     stock, r = rows["stock"]["losses"], rows["flashoptim_fp8+rowwise"]
     assert r["fp8"] == 14 and r["pass_failed"] == [], (r["fp8"], r["bf16"], r["pass_failed"])
     assert all(math.isclose(a, b, rel_tol=0.01) for a, b in zip(r["losses"], stock)), (r["losses"], stock)
+
+
+def test_lora_adapters_on_a_frozen_llama_train_like_stock_with_the_base_in_fp8():
+    """A LoRA fine-tune as users write one: every weight of a tiny Llama frozen, a low-rank adapter
+    beside each attention projection, the optimizer over the adapters alone. Through ``train_step``
+    with FP8 the frozen projections multiply in FP8 (no weight gradient), their bf16 bits never
+    change and hold no optimizer state, and the losses follow stock fp32 AdamW's."""
+    import torch
+    import torch.nn as nn
+
+    import flash_inductor
+    from flash_inductor import inspection
+
+    bench = benchmark_module("hf_zoo")
+
+    class LoRALinear(nn.Module):
+        def __init__(self, base, rank=16):
+            super().__init__()
+            self.base = base
+            self.lora_a = nn.Linear(base.in_features, rank, bias=False)
+            self.lora_b = nn.Linear(rank, base.out_features, bias=False)
+            nn.init.normal_(self.lora_b.weight, std=0.02)
+
+        def forward(self, x):
+            return self.base(x) + 2.0 * self.lora_b(self.lora_a(x))
+
+    def lora_llama():
+        model = bench.build_model("llama", "tiny", torch.device("cpu"))
+        model.requires_grad_(False)
+        torch.manual_seed(5)
+        for layer in model.model.layers:
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                setattr(layer.self_attn, name, LoRALinear(getattr(layer.self_attn, name)))
+        return model
+
+    batch = bench.fixed_batch("llama", "tiny", "cpu")
+    losses = {}
+    for row in ("stock", "fp8"):
+        model = lora_llama()
+        adapters = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(adapters, lr=1e-3)
+
+        def step(batch, model=model, opt=opt):
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        if row == "fp8":
+            step = flash_inductor.train_step(step, model=model, optimizer=opt, fp8="tensorwise", fp8_min_weight_numel=0,
+                                             fp8_min_gemm_size=0, compiler="eager")
+            frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        report = inspection.Report()
+        with inspection.collecting(report):
+            losses[row] = [step(batch).item()]
+        losses[row] += [step(batch).item() for _ in range(3)]
+    decisions = {name: d for g in report.graphs for p, name, d in g.decisions if p == "fp8_linear"}
+    base = [n for n in decisions if ".base." in n]
+    assert len(base) == 8 and all(decisions[n].startswith("fp8") for n in base), decisions
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, frozen[n]) and p not in opt.state, n
+            assert p.dtype == (torch.float32 if p.dim() == 1 else torch.bfloat16), (n, p.dtype)
+    assert losses["fp8"][-1] < losses["fp8"][0]
+    assert all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(losses["fp8"], losses["stock"])), losses
