@@ -11,6 +11,8 @@ Before (Dynamo graph of a model with an ``nn.Linear(4096, 4096)`` named ``fc1``,
         attn_out_proj_weight, ...)                  # an nn.MultiheadAttention: one node, its weights operands
     norm = torch._weight_norm(fc2_parametrizations_weight_original1, fc2_parametrizations_weight_original0, 0)
     linear_1 = torch._C._nn.linear(x4, norm, fc2_bias)   # a weight computed from parameters: weight_norm's
+    heads = torch.functional.einsum('ibh,hnd->ibnd', x5, q)  # a parameter of rank 3 (XLNet's (64, 4, 16));
+                                                    # also 'ibnd,hnd->ibh' (x5 flattened, q not transposed)
 
 After::
 
@@ -22,6 +24,9 @@ After::
         fp8_weights=("in_proj_weight", "out_proj_weight"), fp8_options={"power_of_two": False})
     norm = torch._weight_norm(fc2_parametrizations_weight_original1, fc2_parametrizations_weight_original0, 0)
     linear_1 = flash_inductor.fp8_linear.fp8_linear(x4, norm, fc2_bias)
+    reshape = q.reshape(64, 64);  t_1 = reshape.t()
+    fp8_linear = flash_inductor.fp8_linear.fp8_linear(x5, t_1, None)
+    heads = fp8_linear.unflatten(-1, (4, 16))
 
 ``fp8_linear`` is an autograd function of plain ops (e4m3 forward, e5m2 gradients, per-tensor
 scaling: ``flash_inductor/fp8_linear.py``); AOTAutograd traces its backward and Inductor fuses the
@@ -36,6 +41,9 @@ become inputs of the graph, bound once per weight::
     linear = flash_inductor.fp8_linear.fp8_linear(x, fc1_weight, fc1_bias, power_of_two=False,
         amax_history=fc1_weight_fp8_amax_history, scale=fc1_weight_fp8_scale,
         grad_amax_history=fc1_weight_fp8_grad_amax_history, grad_scale=fc1_weight_fp8_grad_scale)
+
+An einsum with a parameter of rank 3 or more is first written as the linear it is, where it is one
+(``_einsums_as_linears``): its weight the parameter reshaped to 2-D, a weight computed from a parameter.
 
 A linear is eligible when its weight is a graph input (a parameter) or, for ``F.linear`` and ``x @ w.T``,
 computed from module state alone (parameters, buffers, constants: a parametrization such as
@@ -86,6 +94,7 @@ and scale instead of casting it. The decision says so ("weight all-gathered in e
 """
 
 import functools
+import math
 import operator
 import re
 
@@ -137,31 +146,105 @@ def as_linear(node):
         bias, x, rhs = node.args
         if isinstance(rhs, fx.Node) and rhs.op in ("placeholder", "get_attr"):
             return x, rhs, bias, IN_OUT
-    if node.target in (torch.einsum, torch.functional.einsum) and not node.kwargs:
-        return _einsum_as_linear(node)
-    return None
+    return _einsum_as_linear(node)
+
+
+def _two_operand_einsum(node):
+    """``(x's letters, w's letters, the output's, x, w)`` of an ``einsum(equation, x, w)`` call, else None."""
+    if node.op != "call_function" or node.target not in (torch.einsum, torch.functional.einsum) or node.kwargs:
+        return None
+    equation, *operands = node.args
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or equation.count("->") != 1 or len(operands) != 2:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    if inputs.count(",") != 1:
+        return None
+    return (*inputs.split(","), out, *operands)
 
 
 def _einsum_as_linear(node):
     """An einsum that is ``x @ w`` (``"bsk,kn->bsn"``, ``"...k,kn->...n"``) or ``x @ w.T``
     (``"...k,nk->...n"``) with ``w`` a graph input: ``(x, w, None, layout)``, else None."""
-    equation, *operands = node.args
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = list(operands[0])
-    if not isinstance(equation, str) or "->" not in equation or len(operands) != 2:
+    einsum = _two_operand_einsum(node)
+    if einsum is None:
         return None
-    inputs, out = equation.replace(" ", "").split("->")
-    if inputs.count(",") != 1:
-        return None
-    a, b = inputs.split(",")
-    x, rhs = operands
-    if len(b) != 2 or not a or a[-1] not in b or not (isinstance(rhs, fx.Node) and rhs.op in ("placeholder", "get_attr")):
+    a, b, out, x, rhs = einsum
+    if len(b) != 2 or not a or a[-1] not in b or not _is_input(rhs):
         return None
     k = a[-1]
     n = b[1] if b[0] == k else b[0]
     if k == n or k in a[:-1] or n in a or out != a[:-1] + n:
         return None
     return x, rhs, None, IN_OUT if b[0] == k else OUT_IN
+
+
+def _einsum_product_with_parameter(node, ctx):
+    """An einsum that is a linear on a parameter ``w`` of rank 3 or more: ``w``'s contracted dims (K)
+    end ``x``'s, in ``w``'s order, and its other dims (N) end the output, after ``x``'s other dims;
+    ``w`` is K then N (``"ibh,hnd->ibnd"``: ``x @ w.reshape(h, n*d)``) or N then K (``"ibnd,hnd->ibh"``:
+    ``x @ w.reshape(h, n*d).T``). Returns ``(x, w, len(K), K first)``, else None."""
+    einsum = _two_operand_einsum(node)
+    if einsum is None:
+        return None
+    a, b, out, x, w = einsum
+    if not (_is_input(w) and isinstance(ctx.inputs.get(w.name), torch.nn.Parameter)) or len(b) < 3:
+        return None
+    k = "".join(c for c in b if c in a)
+    n = "".join(c for c in b if c not in a)
+    prefix = a[:-len(k)] if k else a
+    if (not k or not n or not b.isalpha() or len(set(b)) != len(b) or b not in (k + n, n + k) or not a.endswith(k)
+            or any(c in prefix for c in b) or out != prefix + n):
+        return None
+    return x, w, len(k), b == k + n
+
+
+def _einsums_as_linears(gm, ctx):
+    """``gm`` with each einsum of ``_einsum_product_with_parameter`` written as the linear it is, so
+    that the pass decides and rewrites it as any other (its weight a reshape of the parameter)::
+
+        einsum: "bf16[8, 2, 4, 16]" = torch.functional.einsum('ibh,hnd->ibnd', x, q)   # q: (64, 4, 16)
+
+    becomes::
+
+        reshape = q.reshape(64, 64);  t = reshape.t()
+        linear = torch.nn.functional.linear(x, t)
+        unflatten = linear.unflatten(-1, (4, 16))
+
+    (``x.flatten(-2)`` first where two dims are contracted, ``"ibnd,hnd->ibh"``.) ``gm`` itself when
+    there is none; a copy otherwise."""
+    found = [n.name for n in gm.graph.nodes if _einsum_product_with_parameter(n, ctx)]
+    if not found:
+        return gm
+
+    def rewrite(graph, node):
+        x, w, contracted, contracted_first = _einsum_product_with_parameter(node, ctx)
+        shape = tuple(w.meta["example_value"].shape)
+        k_dims, n_dims = (shape[:contracted], shape[contracted:]) if contracted_first else (
+            shape[-contracted:], shape[:-contracted])
+
+        def add(method, *args):
+            new = graph.call_method(method, args)
+            new.meta.update(stack_trace=node.meta.get("stack_trace"),
+                            example_value=getattr(args[0].meta["example_value"], method)(*args[1:]))
+            return new
+
+        with graph.inserting_before(node):
+            flat_x = add("flatten", x, -contracted) if contracted > 1 else x
+            if contracted_first:
+                weight = add("t", add("reshape", w, math.prod(k_dims), math.prod(n_dims)))
+            else:
+                weight = add("reshape", w, math.prod(n_dims), math.prod(k_dims))
+            out = graph.call_function(torch.nn.functional.linear, (flat_x, weight))
+            out.meta.update(stack_trace=node.meta.get("stack_trace"), example_value=torch.nn.functional.linear(
+                flat_x.meta["example_value"], weight.meta["example_value"]))
+            if len(n_dims) > 1:
+                out = add("unflatten", out, -1, n_dims)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+
+    return graph_utils.rewrite_copy(gm, found, rewrite)
 
 
 # Matmuls that are not linears (as_linear) yet may take a parameter: each is reported, kept in bf16.
@@ -456,6 +539,7 @@ def _fp8_decision(ctx, weight, layout):
 def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]:
     if ctx.options.fp8 is None:
         return gm, []
+    captured, gm = gm, _einsums_as_linears(gm, ctx)
     eligible = []  # (body, node name, the weights an attention runs in FP8; None for a linear)
     decided = set()
     for body, node, linear, weight, operands in _linears(gm):
@@ -500,8 +584,8 @@ def fp8_linear_pass(gm: fx.GraphModule, ctx) -> tuple[fx.GraphModule, list[str]]
     if ctx.recorder:
         for name, reason in _unsupported_matmuls(gm, ctx, decided):
             ctx.recorder.decision("fp8_linear", name, f"bf16: {reason}")
-    if not eligible:
-        return gm, []
+    if not eligible:  # an einsum written as a linear (above) stays an einsum
+        return captured, []
     gm = graph_utils.copy_graph_module(gm)
     rewrites_by_body = {}
     for body, name, fp8_weights in eligible:

@@ -384,6 +384,47 @@ def test_einsums_that_are_matmuls_on_a_parameter_run_in_fp8():
     torch.testing.assert_close(outs[2], refs[2])
 
 
+class HeadEinsums(nn.Module):
+    """Parameters of rank 3 in einsums, as XLNet's attention: (hidden, heads, head dim)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(64, 4, 16) * 0.1)
+        self.o = nn.Parameter(torch.randn(64, 4, 16) * 0.1)
+        self.bias_like = nn.Parameter(torch.randn(64, 4, 16) * 0.1)
+
+    def forward(self, x, heads):
+        return (torch.einsum("ibh,hnd->ibnd", x, self.q), torch.einsum("ibnd,hnd->ibh", heads, self.o),
+                torch.einsum("ibh,hnd->ibn", x, self.bias_like))  # d summed away: not a linear, stays
+
+
+def test_einsums_on_a_parameter_of_rank_3_run_as_fp8_linears_on_its_2d_reshape():
+    """Each einsum that is a linear on the parameter's dims taken together (contracted dims ending the
+    input, the others ending the output) runs in FP8 on the parameter reshaped to 2-D; outputs and
+    gradients stay within the FP8 bars. One that is not is reported and left as it is."""
+    torch.manual_seed(0)
+    model = HeadEinsums().bfloat16()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 2, 64, dtype=torch.bfloat16)
+    heads = torch.randn(8, 2, 4, 16, dtype=torch.bfloat16)
+    _, decisions = _inspected_fp8(model, x, heads)
+    assert decisions == {"q": "fp8 e4m3/e5m2, weight computed from q", "o": "fp8 e4m3/e5m2, weight computed from o",
+                         "bias_like": "bf16: einsum with the parameter (shape (64, 4, 16)) or a view or slice of it as "
+                                      "an operand, not as a linear's 2-D weight"}
+    x, heads = x.requires_grad_(), heads.requires_grad_()
+    x_ref, heads_ref = x.detach().clone().requires_grad_(), heads.detach().clone().requires_grad_()
+    outs, refs = flash_inductor.compile(model, **FP8_ALL)(x, heads), reference(x_ref, heads_ref)
+    grads = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, grads)
+    torch.autograd.backward(refs, grads)
+    for out, ref in zip(outs[:2], refs[:2]):
+        assert out.shape == ref.shape and _sqnr(ref, out) >= 25
+    torch.testing.assert_close(outs[2], refs[2])
+    for name in ("q", "o"):
+        assert _sqnr(getattr(reference, name).grad, getattr(model, name).grad) >= 20, name
+    assert _sqnr(x_ref.grad, x.grad) >= 20 and _sqnr(heads_ref.grad, heads.grad) >= 20
+
+
 @pytest.mark.parametrize("features", [(64, 1000), (1000, 64)], ids=["out-dim-1000", "in-dim-1000"])
 def test_dims_off_16_are_zero_padded_where_that_adds_at_most_1_percent(features):
     """1000 = 62.5 x 16: the GEMMs run on the weight padded to 1008 (0.8% more), the results are cut

@@ -48,6 +48,19 @@ def fp8_linear_code(fn, options, *args):
     return without_comments(next(s.code for s in report.graph("model").stages if s.name == "fp8_linear"))
 
 
+class HeadProjections(nn.Module):
+    """XLNet's attention projections: parameters of shape (hidden, heads, head dim) in einsums."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(32, 2, 16))
+        self.o = nn.Parameter(torch.randn(32, 2, 16))
+
+    def forward(self, x):
+        heads = torch.einsum("ibh,hnd->ibnd", x, self.q)
+        return torch.einsum("ibnd,hnd->ibh", heads.relu(), self.o)
+
+
 class TestGoldenGraphs(expecttest.TestCase):
     def test_sgdw_momentum_step(self):
         code = rewritten_code(lambda ps: SGDW(ps, lr=0.1, momentum=0.9, weight_decay=0.01), "split_weights")
@@ -302,6 +315,27 @@ class GraphModule(torch.nn.Module):
         x: "f32[16, 32]cpu" = torch._weight_norm(l_fn_modules_parametrizations_modules_weight_parameters_original1_, l_fn_modules_parametrizations_modules_weight_parameters_original0_, 0);  l_fn_modules_parametrizations_modules_weight_parameters_original1_ = l_fn_modules_parametrizations_modules_weight_parameters_original0_ = None
         fp8_linear: "f32[4, 16]cpu" = flash_inductor_fp8_linear_fp8_linear(l_args_0_, x, None, power_of_two = False);  l_args_0_ = x = None
         return (fp8_linear,)""")
+
+    def test_fp8_linear_on_einsums_with_a_rank_3_parameter(self):
+        """XLNet's projections: einsums with a parameter of shape (hidden, heads, head dim), contracted
+        over hidden (``x @ q``) or over heads and head dim (``x @ o.T``), run as FP8 linears on the
+        parameter reshaped to 2-D."""
+        options = {"compiler": "eager", "fp8": "tensorwise", "fp8_min_weight_numel": 0}
+        self.assertExpectedInline(fp8_linear_code(HeadProjections(), options, torch.randn(8, 2, 32)), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_self_parameters_q_: "f32[32, 2, 16]cpu", L_x_: "f32[8, 2, 32]cpu", L_self_parameters_o_: "f32[32, 2, 16]cpu"):
+        l_self_parameters_q_ = L_self_parameters_q_
+        l_x_ = L_x_
+        l_self_parameters_o_ = L_self_parameters_o_
+        reshape: "f32[32, 32]cpu" = l_self_parameters_q_.reshape(32, 32);  l_self_parameters_q_ = None
+        t: "f32[32, 32]cpu" = reshape.t();  reshape = None
+        fp8_linear: "f32[8, 2, 32]cpu" = flash_inductor_fp8_linear_fp8_linear(l_x_, t, None, power_of_two = False);  l_x_ = t = None
+        unflatten: "f32[8, 2, 2, 16]cpu" = fp8_linear.unflatten(-1, (2, 16));  fp8_linear = None
+        relu: "f32[8, 2, 2, 16]cpu" = unflatten.relu();  unflatten = None
+        flatten: "f32[8, 2, 32]cpu" = relu.flatten(-2);  relu = None
+        reshape_1: "f32[32, 32]cpu" = l_self_parameters_o_.reshape(32, 32);  l_self_parameters_o_ = None
+        fp8_linear_1: "f32[8, 2, 32]cpu" = flash_inductor_fp8_linear_fp8_linear(flatten, reshape_1, None, power_of_two = False);  flatten = reshape_1 = None
+        return (fp8_linear_1,)""")
 
     def test_fp8_multi_head_attention(self):
         """``nn.MultiheadAttention``'s call, one node with the weights as operands, becomes
