@@ -6,6 +6,7 @@ cast parameters become their masters."""
 
 import fnmatch
 import re
+import traceback
 import warnings
 
 import torch
@@ -45,8 +46,12 @@ def keeps_fp32_buffers(module):
     return bool(_ROTARY_CLASS_NAME.search(type(module).__name__))
 
 
+def named_by(name, patterns):
+    return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+
 def keeps_fp32(name, module, patterns):
-    return is_norm_layer(module) or any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+    return is_norm_layer(module) or named_by(name, patterns)
 
 
 # parameter -> its fp32 value before ``prepare`` cast it, for trainable parameters the preparing
@@ -64,7 +69,9 @@ def convert_model(model, keep_fp32, held):
     retained = []
     for name, module in model.named_modules():
         if keeps_fp32(name, module, keep_fp32):
-            if any(p.dtype == torch.float32 for p in module.parameters(recurse=False)):
+            # A module named by the user computes in fp32 also without parameters of its own: one
+            # that calls an op with no bf16 kernel (torch.fft's, FNet's token mixing).
+            if named_by(name, keep_fp32) or any(p.dtype == torch.float32 for p in module.parameters(recurse=False)):
                 kept.append(module)
             continue
         for pname, p in module.named_parameters(recurse=False):
@@ -99,3 +106,41 @@ def convert_model(model, keep_fp32, held):
     return masters
 
 
+# What torch says when an op has no kernel for bf16/fp16 inputs: torch.fft's, CPU kernels not
+# written for them, torch.linalg's.
+_NO_HALF_KERNEL = re.compile(r"Unsupported dtype (BFloat16|Half)|not implemented for '(BFloat16|Half)'"
+                             r"|Low precision dtypes not supported")
+
+
+def explain_missing_bf16_kernel(error, model):
+    """Add a note to ``error`` when it says an op of the prepared ``model`` has no bf16 kernel: which
+    module called it, and the fix (keep it in fp32, as autocast runs such ops). The module is found from
+    the error's stack (Dynamo's user frames, or the traceback's), matched against the code of the
+    model's modules' ``forward``s."""
+    if not _NO_HALF_KERNEL.search(str(error)):
+        return
+    frames = getattr(error, "real_stack", None) or traceback.extract_tb(error.__traceback__)
+    names = _innermost_module_names(frames, model)
+    where = f"keep_fp32=[{', '.join(repr(n) for n in names)}]" if names else "keep_fp32=[<its name>]"
+    error.add_note(
+        "flash_inductor: prepare made the model's parameters, and so its activations, bf16, and this op has no "
+        "bf16 kernel (under torch.autocast, fp32 training runs it in fp32). Keep the module that calls it in "
+        f"fp32: prepare(model, optimizer, {where}) or train_step(..., {where}); its inputs are then cast to "
+        "fp32 and its outputs back."
+    )
+
+
+def _innermost_module_names(frames, model):
+    """Name patterns (indices as ``*``) of the modules whose ``forward`` runs the innermost of ``frames``
+    that is a module's forward."""
+    by_code = {}
+    for name, module in model.named_modules():
+        by_code.setdefault(getattr(type(module).forward, "__code__", None), []).append(name)
+    for frame in reversed(frames):
+        for code, names in by_code.items():
+            if code is None or (frame.filename, frame.name) != (code.co_filename, code.co_name):
+                continue
+            lines = [line for _, _, line in code.co_lines() if line is not None]
+            if min(lines) <= frame.lineno <= max(lines):
+                return sorted({re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", n) for n in names})
+    return []

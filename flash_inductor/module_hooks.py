@@ -47,9 +47,14 @@ class Fp32Forward:
     def __call__(self, *args, **kwargs):
         dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
         output = type(self.module).forward(self.module, *(_to_fp32(a) for a in args), **kwargs)
-        if isinstance(output, torch.Tensor) and dtype in (torch.bfloat16, torch.float16):
-            return output.to(dtype)
-        return output
+        if dtype not in (torch.bfloat16, torch.float16):
+            return output
+
+        def back(t):  # fp32 only: a complex or integer output is not the input's kind of value
+            return t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+
+        # Hugging Face's modules often return a tuple of their outputs
+        return type(output)(back(t) for t in output) if type(output) is tuple else back(output)
 
 
 def keep_fp32_with_io_casts(module):

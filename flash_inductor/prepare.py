@@ -49,7 +49,9 @@ def prepare(
 
     - Floating-point parameters become bf16, except normalization layers and modules whose names
       match a pattern in ``keep_fp32`` (fnmatch, e.g. ``"lm_head"`` or ``"*.norm*"``): those stay
-      fp32, with their inputs cast to fp32 and outputs cast back. Normalization layers are torch's
+      fp32, with their inputs cast to fp32 and outputs cast back. A module named there computes in
+      fp32 also without parameters of its own: one that calls an op with no bf16 kernel (the
+      step's error then names it, ``train_step``). Normalization layers are torch's
       (``nn.LayerNorm``, ``nn.RMSNorm``, batch/group/instance norms) and any module whose class name
       ends in ``Norm`` (or ``Norm1d``/``2d``/``3d``) with parameters of its own that are all 1-D,
       such as Hugging Face's ``LlamaRMSNorm`` or ``T5LayerNorm``. fp32 buffers become bf16 too,

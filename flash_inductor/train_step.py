@@ -5,7 +5,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from flash_inductor import flat, roles
+from flash_inductor import flat, model_conversion, roles
 from flash_inductor.backend import COMPILED_BLOCKS, prepare_fp8
 from flash_inductor.backend import compile as compile_with_backend
 from flash_inductor.fp8_linear import refused_by_user
@@ -63,19 +63,29 @@ def train_step(fn=None, *, model, optimizer, regional=False, **options):
     if regional:
         for block in blocks:
             block.forward = _compiled_block_forward(block, len(blocks), block_options)
-
-        @functools.wraps(fn)
-        def step(*args, **kwargs):
-            return fn(*args, **kwargs)
-
+        step = _explaining_failures(fn, fn, model)
         setattr(step, COMPILED_BLOCKS, blocks)
         return step
     record = prepared(optimizer)
     if not record.gradient_release:
         # The whole step's backward is one graph: its gradients all come out at its end.
         flat.land_gradients_at_step(record)
-    compiled = compile_with_backend(fn, **options)
-    return functools.wraps(fn)(compiled)
+    return _explaining_failures(fn, compile_with_backend(fn, **options), model)
+
+
+def _explaining_failures(fn, run, model):
+    """``run`` as ``fn``'s wrapper (``run``'s attributes kept: ``inspect`` sees a compiled step), with
+    a note added to an error that an op of the prepared ``model`` has no bf16 kernel."""
+    @functools.wraps(fn)
+    def step(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        except RuntimeError as error:
+            model_conversion.explain_missing_bf16_kernel(error, model)
+            raise
+
+    step.__dict__.update(getattr(run, "__dict__", {}))
+    return step
 
 
 def _compiled_block_forward(block, num_blocks, options):

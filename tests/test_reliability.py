@@ -116,6 +116,71 @@ def _bf16_inputs():
     return [torch.randn(64, 64, generator=g).to(torch.bfloat16) for _ in range(3)]
 
 
+class FourierMix(nn.Module):
+    """FNet's token mixing: no parameters, ``torch.fft.fftn`` (no bf16 kernel), a tuple out."""
+
+    def forward(self, x):
+        return (torch.fft.fftn(x, dim=(1, 2)).real,)
+
+
+class FourierNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(mix=FourierMix(), norm=nn.LayerNorm(32))) for _ in range(2))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block.norm(h + block.mix(h)[0])
+        return self.head(h).float().square().mean()
+
+
+def _fourier_step(model, opt):
+    def step(x):
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return step
+
+
+def test_an_op_without_a_bf16_kernel_names_the_module_to_keep_fp32_and_changes_nothing():
+    """``torch.fft.fftn`` has no bf16 kernel: under ``prepare`` a module calling it fails, where fp32
+    training under autocast ran it in fp32. The error says which modules to keep in fp32 (a pattern
+    prepare's ``keep_fp32`` takes) and nothing stored has changed."""
+    model = FourierNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = flash_inductor.train_step(_fourier_step(model, opt), model=model, optimizer=opt, **EAGER)
+    before = snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="BFloat16") as caught:
+        step(torch.randn(2, 8, 16))
+    assert any("keep_fp32=['blocks.*.mix']" in note for note in caught.value.__notes__), caught.value.__notes__
+    assert_unchanged(before, snapshot(model, opt))
+
+
+def test_a_module_without_parameters_kept_fp32_by_name_computes_in_fp32_and_trains_like_stock():
+    """Named in ``keep_fp32``, the parameterless module gets fp32 inputs, and its tuple's fp32 output
+    comes back bf16; the step follows stock fp32 AdamW on the fp32 model."""
+    x = [torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    stock = FourierNet()
+    stock_opt = torch.optim.AdamW(stock.parameters(), lr=1e-3)
+    expected = [_fourier_step(stock, stock_opt)(xi).item() for xi in x]
+    model = FourierNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = flash_inductor.train_step(_fourier_step(model, opt), model=model, optimizer=opt, keep_fp32=["blocks.*.mix"],
+                                     **EAGER)
+    seen = []
+    model.blocks[0].mix.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out[0].dtype)))
+    losses = [step(xi).item() for xi in x]
+    assert seen[0] == (torch.bfloat16, torch.bfloat16)  # the hook sees the module's own call, outside the casts
+    assert model.embed.weight.dtype == torch.bfloat16
+    assert losses == pytest.approx(expected, rel=0.02), (losses, expected)
+
+
 def test_bf16_tiles_read_transposed_compile_to_the_eager_result():
     """Where Inductor's 512-bit C++ code transposes bf16 tiles wrongly (torch 2.13, g++ 12.2,
     AVX-512; flash_inductor/_compat.py), the backend compiles with 256-bit vectors: a Granite MoE's
