@@ -206,12 +206,67 @@ ARCHITECTURES = {
         vision_config=dict(hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
                            num_attention_heads=d["heads"], image_size=d["image"], patch_size=d["patch"]),
         projection_dim=d["hidden"] // 2)),
+    # RMSNorm scaling by (1 + weight), embeddings multiplied by sqrt(hidden)
+    "gemma": _decoder("GemmaConfig", "GemmaForCausalLM"),
+    # attention and MLP in parallel, rotary on half of each head, a dense output with a bias
+    "phi": lambda T, d: T.PhiForCausalLM(T.PhiConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], partial_rotary_factor=0.5, max_position_embeddings=max(64, d["seq"]))),
+    "starcoder2": _decoder("Starcoder2Config", "Starcoder2ForCausalLM", bos_token_id=1, eos_token_id=2),
+    # squared-ReLU MLP, LayerNorm scaling by (1 + weight)
+    "nemotron": _decoder("NemotronConfig", "NemotronForCausalLM"),
+    # experts of attention heads as well as of MLPs
+    "jetmoe": lambda T, d: T.JetMoeForCausalLM(T.JetMoeConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], num_hidden_layers=d["layers"], num_key_value_heads=d["kv_heads"],
+        kv_channels=d["hidden"] // d["heads"], intermediate_size=d["inter"], num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=max(64, d["seq"]))),
+    # experts stored as one fused parameter per projection, viewed per expert
+    "dbrx": lambda T, d: T.DbrxForCausalLM(T.DbrxConfig(
+        vocab_size=d["vocab"], d_model=d["hidden"], n_layers=d["layers"], n_heads=d["heads"], max_seq_len=max(64, d["seq"]),
+        attn_config=dict(kv_n_heads=d["kv_heads"], rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=d["inter"], moe_num_experts=4, moe_top_k=2))),
+    # Mamba and attention layers in turn, experts in every other layer (torch's scan, no CUDA kernels)
+    "jamba": lambda T, d: T.JambaForCausalLM(T.JambaConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"], num_experts=4, num_experts_per_tok=2,
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
+        mamba_dt_rank=8)),
+    "roberta": lambda T, d: T.RobertaForMaskedLM(T.RobertaConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], max_position_embeddings=max(64, d["seq"]) + 2)),
+    # bottlenecks around each block, NoNorm (an elementwise scale and shift, no statistics)
+    "mobilebert": lambda T, d: T.MobileBertForMaskedLM(T.MobileBertConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], embedding_size=d["hidden"] // 2, intermediate_size=d["inter"],
+        num_hidden_layers=d["layers"], num_attention_heads=d["heads"], intra_bottleneck_size=d["hidden"] // 2,
+        true_hidden_size=d["hidden"] // 2, max_position_embeddings=max(64, d["seq"]))),
+    # two-stream relative attention: projections are 3-D parameters multiplied through einsum
+    "xlnet": lambda T, d: T.XLNetLMHeadModel(T.XLNetConfig(
+        vocab_size=d["vocab"], d_model=d["hidden"], n_layer=d["layers"], n_head=d["heads"], d_inner=d["inter"])),
+    # token mixing by a 2-D Fourier transform in place of attention
+    "fnet": lambda T, d: T.FNetForMaskedLM(T.FNetConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        max_position_embeddings=max(64, d["seq"]), use_tpu_fourier_optimizations=False)),
+    # layer scales (1-D parameters that multiply each block's output), a mask token parameter
+    "dinov2": lambda T, d: T.Dinov2ForImageClassification(T.Dinov2Config(
+        hidden_size=d["hidden"], num_hidden_layers=d["layers"], num_attention_heads=d["heads"], image_size=d["image"],
+        patch_size=d["patch"], num_labels=d["labels"])),
+    # overlapping convolutional patches, attention over spatially reduced keys and values
+    "segformer": lambda T, d: T.SegformerForImageClassification(T.SegformerConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[d["hidden"] // 2, d["hidden"]],
+        num_attention_heads=[d["heads"] // 2, d["heads"]], num_labels=d["labels"])),
+    "hubert": lambda T, d: T.HubertForCTC(T.HubertConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], pad_token_id=0, mask_time_prob=0.0, ctc_loss_reduction="mean",
+        **({} if d["samples"] > 10000 else dict(conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                                num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)))),
 }
-IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext", "swin"}
+IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext", "swin", "dinov2", "segformer"}
 AUDIO_MODELS = {"whisper"}  # mel features
-WAVEFORM_MODELS = {"wav2vec2"}
+WAVEFORM_MODELS = {"wav2vec2", "hubert"}
 CONTRASTIVE_MODELS = {"clip"}  # tokens and images in pairs
 IMAGE_TEXT_MODELS = {"llava"}  # one image's patch features in place of its tokens, then text
+# Modules that call ops without a bf16 kernel, kept fp32 (prepare's keep_fp32): FNet's torch.fft.fftn
+KEEP_FP32 = {"fnet": ["*.fourier.self"]}
 ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs",
         "flashoptim+recompute", "flashoptim_fp8+recompute", "flashoptim_fp8+rowwise")
 DEFAULT_ROWS = ROWS[:3]
@@ -262,8 +317,8 @@ def fixed_batch(name, size, device):
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def make_step(row, model, args):
-    """``step(batch) -> loss`` for ``row``, and its optimizer."""
+def make_step(row, model, args, keep_fp32=()):
+    """``step(batch) -> loss`` for ``row``, and its optimizer; ``keep_fp32``: prepare's."""
     cuda = args.device.startswith("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=cuda if row == "stock" else None)
 
@@ -280,7 +335,7 @@ def make_step(row, model, args):
             model.compile()
         return step, opt
     base, *flags = row.split("+")
-    options = dict(fp8="tensorwise") if base == "flashoptim_fp8" else {}
+    options = dict(keep_fp32=keep_fp32, **(dict(fp8="tensorwise") if base == "flashoptim_fp8" else {}))
     if "every" in flags or base == "flashoptim_fp8" and args.size == "tiny":
         options.update(fp8_min_weight_numel=0, fp8_min_gemm_size=0)
     if "cudagraphs" in flags:
@@ -308,7 +363,7 @@ def run_row(name, row, args):
                 allocated_before, reserved_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
             model = build_model(name, args.size, device)
             result["num_params"] = sum(p.numel() for p in model.parameters())
-            step, opt = make_step(row, model, args)
+            step, opt = make_step(row, model, args, KEEP_FP32.get(name, ()))
             batch = fixed_batch(name, args.size, device)
             losses, seconds, report = [], [], inspection.Report()
             for i in range(args.steps):

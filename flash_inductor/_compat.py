@@ -2,6 +2,7 @@
 around, in one place."""
 
 import contextlib
+import copy
 import functools
 import importlib.util
 import warnings
@@ -160,20 +161,31 @@ def cpp_patches(example_inputs):
     graph's 0-dim CPU inputs, an optimizer's step counts, make no C++ kernel worth the probe.)"""
     from torch._inductor import config
 
-    on_cpu = any(isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0 for x in example_inputs)
-    if on_cpu and config.cpp.simdlen is None and cpp_transposes_bf16_tiles_wrongly():
+    if has_cpu_kernels(example_inputs) and config.cpp.simdlen is None and cpp_transposes_bf16_tiles_wrongly():
         return {"cpp.simdlen": 256}
     return {}
 
 
-def compile_without_cpp_vectorizer_on_its_known_error(compile_subgraph):
-    """``compile_subgraph()``; where the C++ backend's vectorized code fails to compile for a known
+def has_cpu_kernels(example_inputs):
+    """Whether Inductor writes C++ kernels for a graph of these inputs: CPU tensors of rank > 0."""
+    return any(isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0 for x in example_inputs)
+
+
+def compile_without_cpp_vectorizer_on_its_known_error(compile_subgraph, gm, example_inputs):
+    """``compile_subgraph(gm)``; where the C++ backend's vectorized code fails to compile for a known
     Inductor bug, again with the vectorizer off (``cpp.simdlen = 1``: scalar loops, the same math),
     with a warning. The bug (torch 2.13, pytorch #194706): a bf16 reduction's accumulator converted to
     bf16 is declared twice in one scope ("conflicting declaration ... at_BFloat16_tmp_acc0_vec"), in
-    Hugging Face's GPT-NeoX as under stock ``torch.compile``."""
+    Hugging Face's GPT-NeoX and Phi as under stock ``torch.compile``. The second compile takes a copy
+    of ``gm`` made before the first: Inductor's post-grad passes rewrite ``gm`` in place, and its
+    code generation caches the graph's node order on it (Phi's retry failed with ``KeyError:
+    slice_scatter_default_20``, a node the first compile's passes had added)."""
+    if not has_cpu_kernels(example_inputs):
+        return compile_subgraph(gm)
+    untouched = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    untouched.meta = dict(gm.meta)
     try:
-        return compile_subgraph()
+        return compile_subgraph(gm)
     except Exception as error:  # Inductor wraps the CppCompileError
         message = str(error)
         if "conflicting declaration" not in message or "tmp_acc" not in message:
@@ -181,4 +193,4 @@ def compile_without_cpp_vectorizer_on_its_known_error(compile_subgraph):
     warnings.warn("Inductor's C++ vectorizer emitted code that does not compile (a bf16 reduction's accumulator "
                   "declared twice, pytorch #194706); this graph is compiled without vectorization", stacklevel=2)
     with torch._inductor.config.patch({"cpp.simdlen": 1}):
-        return compile_subgraph()
+        return compile_subgraph(untouched)

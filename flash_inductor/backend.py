@@ -187,7 +187,7 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
             # Inductor's C++ backend notes every kernel that mixes bf16 weights with fp16 scales.
             warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
             return _compat.compile_without_cpp_vectorizer_on_its_known_error(
-                lambda: compile_fx_inner(aot_gm, aot_inputs, **kwargs))
+                lambda gm: compile_fx_inner(gm, aot_inputs, **kwargs), aot_gm, aot_inputs)
 
     # The partitioner runs here, at the forward's compile (the backward's kernels come at its first call).
     partitioner = {"ban_recompute_materialized_backward": False} if ctx.options.recompute_elementwise else {}
