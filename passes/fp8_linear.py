@@ -189,7 +189,8 @@ def _einsum_product_with_parameter(node, ctx):
     if einsum is None:
         return None
     a, b, out, x, w = einsum
-    if not (_is_input(w) and isinstance(ctx.inputs.get(w.name), torch.nn.Parameter)) or len(b) < 3:
+    if (not (_is_input(w) and isinstance(ctx.inputs.get(w.name), torch.nn.Parameter)) or len(b) < 3
+            or isinstance(w.meta.get("example_value"), Fp8Weight)):  # FSDP2's e4m3-gathered weights stay 2-D
         return None
     k = "".join(c for c in b if c in a)
     n = "".join(c for c in b if c not in a)
@@ -213,7 +214,8 @@ def _einsums_as_linears(gm, ctx):
         unflatten = linear.unflatten(-1, (4, 16))
 
     (``x.flatten(-2)`` first where two dims are contracted, ``"ibnd,hnd->ibh"``.) ``gm`` itself when
-    there is none; a copy otherwise."""
+    there is none; a copy otherwise. Not in activation-checkpointed regions' bodies: there such an
+    einsum is reported and stays."""
     found = [n.name for n in gm.graph.nodes if _einsum_product_with_parameter(n, ctx)]
     if not found:
         return gm
