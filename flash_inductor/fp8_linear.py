@@ -199,6 +199,13 @@ def _scaled_mm(a, a_inv_scale, b_t, b_inv_scale, fast_accum=False):
                             use_fast_accum=fast_accum)
 
 
+def _rows(t):
+    """The 2-D ``t`` laid out row-major, as ``_scaled_mm`` takes its first operand: itself, or a copy
+    of one laid out by columns (a transposed input, or a gradient of a transposed output: Hugging
+    Face's Funnel)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _col_major(t):
     """The same matrix, laid out column-major (as ``_scaled_mm`` wants its second operand)."""
     return t.t().contiguous().t()
@@ -217,7 +224,7 @@ def _padded_input(ctx, x, weight, bias):
     padding (``padded_shape``) changes no amax, no product and no sum; the results are cut back."""
     n, k = weight.shape
     pn, pk = padded_shape(n, k)
-    x2 = x.reshape(-1, k)
+    x2 = _rows(x.reshape(-1, k))
     ctx.input_shape, ctx.input_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
     return _pad_to(x2, _padded_tokens(x2.shape[0]), pk), x2.shape[0], n, pn, pk
@@ -266,7 +273,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     @torch.compiler.disable
     def backward(ctx, grad_out):
         x_fp8, x_inv, w_fp8, w_inv = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        g2 = _rows(grad_out.reshape(-1, grad_out.shape[-1]))
         m = g2.shape[0]
         g_fp8, g_inv = _quantize(_pad_to(g2, x_fp8.shape[0], w_fp8.shape[0]), fp8.E5M2, ctx.power_of_two, *ctx.grad_state, 0)
         grad_x = _scaled_mm(_first_rows(g_fp8, m), g_inv, _col_major(w_fp8), w_inv)
@@ -293,7 +300,7 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
     @torch.compiler.disable  # as Fp8LinearFunction.backward
     def backward(ctx, grad_out):
         wt_fp8, wt_inv, xt_fp8, xt_inv = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        g2 = _rows(grad_out.reshape(-1, grad_out.shape[-1]))
         gp = _pad_to(g2, xt_fp8.shape[1], wt_fp8.shape[1])
         g_fp8, g_inv = _quantize_rows(gp)
         gt_fp8, gt_inv = _quantize_columns(gp)

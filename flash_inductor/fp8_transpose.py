@@ -63,7 +63,8 @@ def transpose_calls(graph):
 def transpose_fp8(t: torch.Tensor) -> torch.Tensor:
     """``t.t().contiguous()`` for a 2-D ``t`` (any dtype; meant for FP8), as a kernel of its own on CUDA."""
     if t.device.type != "cuda" or not _compat.HAS_TRITON:
-        return t.t().contiguous()
+        # a copy also of a ``t`` laid out by columns: a custom op's output may not alias its input
+        return t.t().clone(memory_format=torch.contiguous_format)
     t = t.contiguous()
     rows, cols = t.shape
     out = torch.empty((cols, rows), dtype=t.dtype, device=t.device)

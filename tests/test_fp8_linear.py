@@ -425,6 +425,39 @@ def test_einsums_on_a_parameter_of_rank_3_run_as_fp8_linears_on_its_2d_reshape()
     assert _sqnr(x_ref.grad, x.grad) >= 20 and _sqnr(heads_ref.grad, heads.grad) >= 20
 
 
+class Transposed(nn.Module):
+    """A linear that reads its input transposed and whose output is read transposed, so that its
+    input and its output's gradient arrive laid out by columns (Hugging Face's Funnel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.fc(x.t()).t()
+
+
+@pytest.mark.filterwarnings("error::flash_inductor.pipeline.PassFailed")
+@pytest.mark.parametrize("fp8_mode", ["tensorwise", "rowwise"])
+def test_an_input_and_a_gradient_laid_out_by_columns_are_multiplied_row_major(fp8_mode):
+    """``_scaled_mm`` takes its first operand row-major: a transposed input or output gradient is
+    copied to rows (by columns they failed: "the first operand is not row-major", the FP8 pass was
+    skipped), and row-wise scaling's transposed copies of operands already laid out by columns do not
+    alias them; output and gradients stay within the FP8 bars."""
+    torch.manual_seed(0)
+    model = Transposed().bfloat16()
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    x, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = flash_inductor.compile(model, **dict(FP8_ALL, fp8=fp8_mode))(x)
+    out_ref = reference(x_ref)
+    grad = torch.randn(64, 64, dtype=torch.bfloat16)
+    out.backward(grad)
+    out_ref.backward(grad)
+    assert _sqnr(out_ref, out) >= 25
+    assert _sqnr(x_ref.grad, x.grad) >= 20 and _sqnr(reference.fc.weight.grad, model.fc.weight.grad) >= 20
+
+
 @pytest.mark.parametrize("features", [(64, 1000), (1000, 64)], ids=["out-dim-1000", "in-dim-1000"])
 def test_dims_off_16_are_zero_padded_where_that_adds_at_most_1_percent(features):
     """1000 = 62.5 x 16: the GEMMs run on the weight padded to 1008 (0.8% more), the results are cut
