@@ -335,7 +335,9 @@ def make_step(row, model, args, keep_fp32=()):
             model.compile()
         return step, opt
     base, *flags = row.split("+")
-    options = dict(keep_fp32=keep_fp32, **(dict(fp8="tensorwise") if base == "flashoptim_fp8" else {}))
+    options = dict(keep_fp32=keep_fp32)
+    if base == "flashoptim_fp8":
+        options["fp8"] = "tensorwise"
     if "every" in flags or base == "flashoptim_fp8" and args.size == "tiny":
         options.update(fp8_min_weight_numel=0, fp8_min_gemm_size=0)
     if "cudagraphs" in flags:
