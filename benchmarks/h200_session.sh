@@ -56,6 +56,8 @@
 #   hfllamafp8 issue 14: the Llama's FP8 loss gap: our FP8 pass on the fp32-master baseline (baseline_fp8),
 #              to set against torchao_float8 (+1.86%) and flashoptim_fp8_fp32states (+5.03%); before it, the
 #              rows FlashOptim 0.1.4 and gradient release (one compiled step per parameter layout)
+#   fp8drift   issue 14: the FP8 GPU tests, and fp8_gradient_check.py's gradients against fp32 after 50, 150 and 300
+#              baseline steps of the Llama (bf16, FP8 tensorwise with and without fast accumulation, row-wise)
 #   hfllamacausal issue 14: the speed of the Llama's baseline and FP8 rows (60 steps, profiled) with SDPA's
 #              is_causal (flash attention) in place of the explicit causal mask that transformers passes
 #              under torch.compile before torch 2.14
@@ -658,6 +660,17 @@ case $stage in
             --steps 40 --log-every 20 --pipelined 20 ;;
       esac
     done
+    ;;
+  fp8drift)
+    # the GPU tests of the FP8 pass (among them the transposed operands and rank-3 einsums of the thirty-sixth
+    # session) beside the gradients' SQNR against fp32 after 50, 150 and 300 baseline steps
+    timeout 250 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8_delayed.py tests/test_fp8_formats.py \
+      -k "token_count or fp8 or rowwise or transpose or spec or default_division or attention_projections or einsums" 2>&1 \
+      | grep -v "^DEBUG" > "$out/gpu_tests_fp8drift_$card.log" &
+    logged "fp8_gradient_trajectory_llama_$card" "${LIMIT:-540}" fp8_gradient_check.py --model llama --size full \
+      --pretrain 50,150,300 --rows fp32,bf16,ours_eager,fastaccum_eager,rowwise_eager
+    wait
+    tail -4 "$out/gpu_tests_fp8drift_$card.log"
     ;;
   multigpu)
     # flash_inductor/launch.py sets these in every process it starts too; exported here for everything else

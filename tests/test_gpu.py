@@ -667,6 +667,50 @@ def test_transformer_layers_attention_projections_run_as_fp8_gemms(fp8):
         assert sqnr_db(q.grad.float(), p.grad.float()) >= 18, name
 
 
+@pytest.mark.parametrize("fp8", ["tensorwise", "rowwise"])
+def test_transposed_operands_and_rank_3_einsums_run_as_cuda_fp8_gemms(fp8):
+    """The CUDA ``_scaled_mm`` wants its first operand row-major: a linear whose input and output
+    gradient arrive laid out by columns (Hugging Face's Funnel) failed there before they were copied
+    to rows. Einsums on parameters of rank 3 (XLNet's attention) run on the parameter's 2-D reshape.
+    Inductor's code runs every GEMM in FP8 (Transposed: 1 forward, 2 backward; HeadEinsums: 2 and
+    4), and outputs and gradients keep the CPU tests' bars (tests/test_fp8_linear.py)."""
+    from test_fp8_linear import HeadEinsums, Transposed
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    cases = [(Transposed(), (torch.randn(64, 64),), [1, 2]),
+             (HeadEinsums(), (torch.randn(8, 2, 64), torch.randn(8, 2, 4, 16)), [2, 4])]
+    for model, inputs, expected_gemms in cases:
+        torch._dynamo.reset()
+        model = model.cuda().bfloat16()
+        reference = copy.deepcopy(model)
+        inputs = [t.cuda().bfloat16().requires_grad_() for t in inputs]
+        inputs_ref = [t.detach().clone().requires_grad_() for t in inputs]
+        compiled = flash_inductor.compile(model, fp8=fp8, **EVERY_LINEAR)
+        outputs, grads = [], []
+
+        def forward_backward():
+            outs = compiled(*inputs)
+            outputs.extend(outs if isinstance(outs, tuple) else [outs])
+            grads.extend(torch.randn_like(o) for o in outputs)
+            torch.autograd.backward(outputs, grads)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PassFailed)
+            _, codes = run_and_get_code(forward_backward)
+        refs = reference(*inputs_ref)
+        refs = list(refs) if isinstance(refs, tuple) else [refs]
+        torch.autograd.backward(refs, grads)
+        name = type(model).__name__
+        assert [code.count("extern_kernels._scaled_mm(") for code in codes] == expected_gemms, name
+        for out, ref in zip(outputs, refs):
+            assert sqnr_db(ref.float(), out.float()) >= 25, name
+        for (param, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert sqnr_db(q.grad.float(), p.grad.float()) >= 20, f"{name}.{param}"
+        for t, t_ref in zip(inputs, inputs_ref):
+            assert sqnr_db(t_ref.grad.float(), t.grad.float()) >= 20, name
+
+
 @pytest.mark.parametrize("fast_accum", [False, True])
 def test_rowwise_fp8_linear_compiled_for_cuda_matches_the_fp64_reference(fast_accum):
     """``fp8="rowwise"`` through Inductor on CUDA: three row-wise ``_scaled_mm`` a linear (forward,
