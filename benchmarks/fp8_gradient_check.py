@@ -7,6 +7,8 @@ holds one model's weights and one batch fixed and computes the loss and every pa
 with:
 
     fp32           no autocast, no FP8, eager: the reference when asked for (else bf16 is)
+    fp32_next_batch  fp32 on the next batch: how far apart two batches' gradients are (SGD's noise), the
+                   scale against which the other rows' rounding is small or not
     bf16           bf16 autocast, no FP8, eager
     ours_eager     our FP8 pass (``fp8="tensorwise"``, hf_clients' exclusions), aten kernels (compiler="eager")
     ours           the same, compiled by Inductor (what hf_clients' rows run)
@@ -26,7 +28,8 @@ bf16's do as training goes on (the FP8 loss gap grows over hf_clients' 300 steps
     python benchmarks/fp8_gradient_check.py --model llama --size full --pretrain 50 \
         --out benchmarks/results/fp8_gradient_check_h200.json
     python benchmarks/fp8_gradient_check.py --model llama --size full --pretrain 50,150,300 \
-        --rows fp32,bf16,ours_eager,fastaccum_eager,rowwise_eager --out benchmarks/results/fp8_gradient_trajectory_h100.json
+        --rows fp32,fp32_next_batch,bf16,ours_eager,fastaccum_eager,rowwise_eager \\
+        --out benchmarks/results/fp8_gradient_trajectory_h100.json
     python benchmarks/fp8_gradient_check.py --model llama --size tiny --device cpu --out /tmp/fp8_gradient_check_cpu.json
 """
 
@@ -42,7 +45,7 @@ from train_gpt import batch, load_corpus, train_starts
 import flash_inductor
 from flash_inductor.formats.fp8 import sqnr_db
 
-ROWS = ("fp32", "bf16", "ours_eager", "ours", "fastaccum_eager", "rowwise_eager", "torchao")
+ROWS = ("fp32", "fp32_next_batch", "bf16", "ours_eager", "ours", "fastaccum_eager", "rowwise_eager", "torchao")
 OUR_ROWS = {"ours_eager": dict(compiler="eager"), "ours": {}, "fastaccum_eager": dict(compiler="eager", fp8_fast_accum=True),
             "rowwise_eager": dict(compiler="eager", fp8="rowwise")}
 
@@ -62,7 +65,7 @@ def torchao_model(model, name, device):
 def row_model(row, model, x, args):
     """A copy of ``model`` and its loss function as ``row`` computes it."""
     model = copy.deepcopy(model)
-    loss_fn = loss_function(model, row != "fp32")
+    loss_fn = loss_function(model, not row.startswith("fp32"))
     if row in OUR_ROWS:
         loss_fn = flash_inductor.compile(loss_fn, **{**fp8_options(args), **OUR_ROWS[row]})
     elif row == "torchao":
@@ -71,15 +74,15 @@ def row_model(row, model, x, args):
     return model, loss_fn
 
 
-def loss_and_grads(row, model, x, y, args, row_models):
+def loss_and_grads(row, model, batches, args, row_models):
     """The loss and ``{name: gradient}`` of ``row`` on a copy of ``model``; the copy and its compiled loss are
     kept in ``row_models`` and take the weights of later checkpoints (no new trace)."""
     if row not in row_models:
-        row_models[row] = row_model(row, model, x, args)
+        row_models[row] = row_model(row, model, batches[0][0], args)
     copied, loss_fn = row_models[row]
     copied.load_state_dict(model.state_dict())
     copied.zero_grad(set_to_none=True)
-    loss = loss_fn(x, y)
+    loss = loss_fn(*batches[row == "fp32_next_batch"])
     loss.backward()
     return float(loss.detach()), {n: p.grad.float() for n, p in copied.named_parameters() if p.grad is not None}
 
@@ -112,11 +115,12 @@ def compare(grads, reference):
     return {n: float(sqnr_db(reference[n], grads[n])) for n in reference if n in grads}
 
 
-def compare_rows(model, x, y, rows, fp8_params, args, row_models):
-    """Every row's loss and gradients on (x, y), their SQNR against the reference row, printed."""
+def compare_rows(model, batches, rows, fp8_params, args, row_models):
+    """Every row's loss and gradients on the first of ``batches`` (x, y) (fp32_next_batch: on the
+    second), their SQNR against the reference row, printed."""
     losses, grads = {}, {}
     for row in rows:
-        losses[row], grads[row] = loss_and_grads(row, model, x, y, args, row_models)
+        losses[row], grads[row] = loss_and_grads(row, model, batches, args, row_models)
     reference = "fp32" if "fp32" in rows else "bf16"
     result = dict(losses=losses, reference=reference, per_parameter={}, summary={})
     pairs = [(row, reference) for row in rows if row != reference]
@@ -161,8 +165,9 @@ def main():
     args = parser.parse_args()
     rows, checkpoints = args.rows.split(","), sorted(int(n) for n in args.pretrain.split(","))
     unknown = set(rows) - set(ROWS)
-    if unknown or not {"fp32", "bf16"} & set(rows):
-        parser.error(f"--rows: {sorted(unknown)} unknown; the rows need fp32 or bf16 (the reference); choose from {ROWS}")
+    if unknown or not {"fp32", "bf16"} & set(rows) or ("fp32_next_batch" in rows and "fp32" not in rows):
+        parser.error(f"--rows: {sorted(unknown)} unknown; the rows need fp32 or bf16 (the reference), "
+                     f"fp32_next_batch needs fp32; choose from {ROWS}")
     args.batch, args.seq, args.lr = DEFAULTS[args.model][args.size]
     args.fp8_exclude, args.lr_warmup = (), max(1, args.steps // 10)
     device = torch.device(args.device)
@@ -171,7 +176,8 @@ def main():
     corpus = load_corpus()
     corpus.train = corpus.train.to(device)
     train = pretrainer(model, corpus, args, device)
-    x, y = batch(corpus.train, train_starts(len(corpus.train), 1, args.batch, args.seq, args.seed).to(device)[0], args.seq)
+    batches = [batch(corpus.train, starts, args.seq)
+               for starts in train_starts(len(corpus.train), 2, args.batch, args.seq, args.seed).to(device)]
     fp8_params = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                   and not any(n.startswith(e) for e in FP8_EXCLUDE[args.model])]
     result = dict(model=args.model, size=args.size, batch=args.batch, seq=args.seq, seed=args.seed, steps=args.steps,
@@ -180,7 +186,7 @@ def main():
     row_models = {}
     for n in checkpoints:
         train(n)
-        result["after_steps"][n] = compare_rows(model, x, y, rows, fp8_params, args, row_models)
+        result["after_steps"][n] = compare_rows(model, batches, rows, fp8_params, args, row_models)
         with open(args.out, "w") as f:  # each checkpoint's rows kept should a later one not finish
             json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

@@ -668,7 +668,7 @@ case $stage in
       -k "token_count or fp8 or rowwise or transpose or spec or default_division or attention_projections or einsums" 2>&1 \
       | grep -v "^DEBUG" > "$out/gpu_tests_fp8drift_$card.log" &
     logged "fp8_gradient_trajectory_llama_$card" "${LIMIT:-540}" fp8_gradient_check.py --model llama --size full \
-      --pretrain 50,150,300 --rows fp32,bf16,ours_eager,fastaccum_eager,rowwise_eager
+      --pretrain 50,150,300 --rows fp32,fp32_next_batch,bf16,ours_eager,fastaccum_eager,rowwise_eager
     wait
     tail -4 "$out/gpu_tests_fp8drift_$card.log"
     ;;
