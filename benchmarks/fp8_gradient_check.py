@@ -28,7 +28,7 @@ bf16's do as training goes on (the FP8 loss gap grows over hf_clients' 300 steps
     python benchmarks/fp8_gradient_check.py --model llama --size full --pretrain 50 \
         --out benchmarks/results/fp8_gradient_check_h200.json
     python benchmarks/fp8_gradient_check.py --model llama --size full --pretrain 50,150,300 \
-        --rows fp32,fp32_next_batch,bf16,ours_eager,fastaccum_eager,rowwise_eager \\
+        --rows fp32,fp32_next_batch,bf16,ours_eager,fastaccum_eager,rowwise_eager \
         --out benchmarks/results/fp8_gradient_trajectory_h100.json
     python benchmarks/fp8_gradient_check.py --model llama --size tiny --device cpu --out /tmp/fp8_gradient_check_cpu.json
 """
