@@ -259,6 +259,29 @@ ARCHITECTURES = {
         num_attention_heads=d["heads"], pad_token_id=0, mask_time_prob=0.0, ctc_loss_reduction="mean",
         **({} if d["samples"] > 10000 else dict(conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
                                                 num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)))),
+    # multi-query attention (one key/value head), fused c_attn
+    "gpt_bigcode": lambda T, d: T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(
+        vocab_size=d["vocab"], n_embd=d["hidden"], n_layer=d["layers"], n_head=d["heads"], n_positions=max(64, d["seq"]),
+        multi_query=True)),
+    # ALiBi position biases, no LayerNorm biases
+    "mpt": lambda T, d: T.MptForCausalLM(T.MptConfig(
+        vocab_size=d["vocab"], d_model=d["hidden"], n_layers=d["layers"], n_heads=d["heads"], max_seq_len=max(64, d["seq"]))),
+    # one fused qkv projection split by mp_num, rotary on part of each head, parallel blocks
+    "codegen": lambda T, d: T.CodeGenForCausalLM(T.CodeGenConfig(
+        vocab_size=d["vocab"], n_embd=d["hidden"], n_layer=d["layers"], n_head=d["heads"], rotary_dim=8,
+        n_positions=max(64, d["seq"]), n_ctx=max(64, d["seq"]))),
+    # recurrent (RG-LRU, block-diagonal per-head gates) and local-attention layers in turn
+    "recurrent_gemma": lambda T, d: T.RecurrentGemmaForCausalLM(T.RecurrentGemmaConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=3,
+        num_attention_heads=d["heads"], num_key_value_heads=1, lru_width=d["hidden"], attention_window_size=16,
+        head_dim=d["hidden"] // d["heads"])),
+    # multipliers on the embeddings, residuals, attention and logits
+    "granite": _decoder("GraniteConfig", "GraniteForCausalLM"),
+    "glm": _decoder("GlmConfig", "GlmForCausalLM", pad_token_id=0),
+    # squared-ReLU MLP, LayerNorms on queries and keys, rotary on half of each head
+    "persimmon": lambda T, d: T.PersimmonForCausalLM(T.PersimmonConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], max_position_embeddings=max(64, d["seq"]))),
 }
 IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext", "swin", "dinov2", "segformer"}
 AUDIO_MODELS = {"whisper"}  # mel features
