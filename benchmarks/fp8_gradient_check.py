@@ -21,7 +21,8 @@ and reports each row's gradient SQNR against the reference per parameter (and ``
 Inductor's amaxes did for FP8-LM's states, sixteenth session) shows as a layer where ``ours`` is
 far below ``ours_eager``; a difference of recipe, as one where both are below ``torchao``.
 ``--pretrain N`` first trains N steps of the baseline (fp32 AdamW, autocast, hf_clients' schedule
-over ``--steps``) so that the weights are not those of initialization; ``--pretrain 50,150,300``
+over ``--steps``; the twenty-first session's file was made with a constant LR) so that the weights
+are not those of initialization; ``--pretrain 50,150,300``
 compares at each of those steps of one run: whether FP8's gradients part further from fp32's than
 bf16's do as training goes on (the FP8 loss gap grows over hf_clients' 300 steps).
 
@@ -29,7 +30,7 @@ bf16's do as training goes on (the FP8 loss gap grows over hf_clients' 300 steps
         --out benchmarks/results/fp8_gradient_check_h200.json
     python benchmarks/fp8_gradient_check.py --model llama --size full --pretrain 50,150,300 \
         --rows fp32,fp32_next_batch,bf16,ours_eager,fastaccum_eager,rowwise_eager \
-        --out benchmarks/results/fp8_gradient_trajectory_h100.json
+        --out benchmarks/results/fp8_gradient_trajectory_llama_h200.json
     python benchmarks/fp8_gradient_check.py --model llama --size tiny --device cpu --out /tmp/fp8_gradient_check_cpu.json
 """
 
@@ -163,7 +164,7 @@ def main():
     parser.add_argument("--worst", type=int, default=8, help="parameters listed per row, the lowest SQNR first")
     parser.add_argument("--out", default="fp8_gradient_check.json")
     args = parser.parse_args()
-    rows, checkpoints = args.rows.split(","), sorted(int(n) for n in args.pretrain.split(","))
+    rows, checkpoints = args.rows.split(","), sorted({int(n) for n in args.pretrain.split(",")})
     unknown = set(rows) - set(ROWS)
     if unknown or not {"fp32", "bf16"} & set(rows) or ("fp32_next_batch" in rows and "fp32" not in rows):
         parser.error(f"--rows: {sorted(unknown)} unknown; the rows need fp32 or bf16 (the reference), "
