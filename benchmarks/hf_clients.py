@@ -39,6 +39,7 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
                         pass over its tensor before it)
     +rowwise            FP8 rows: row-wise scaling (fp8="rowwise"; every GEMM operand e4m3 with a power-of-two
                         scale per row, torchao's "rowwise" recipe)
+    +attn0bf16          FP8 rows: the first layer's attention projections kept in bf16 too (FIRST_ATTENTION)
     +regional           train_step's regional=True: the decoder layers compiled one by one, the rest eager
                         (with flashoptim_release: each layer's gradients applied and freed as its backward ends)
     +checkpoint         Hugging Face's activation checkpointing (gradient_checkpointing_enable, non-reentrant):
@@ -166,6 +167,10 @@ DEFAULTS = {
 # Module-name patterns of the FP8 rows' excluded layers (the first and last: embeddings, lm_head;
 # GPT-2's lm_head is the token embedding's weight, tied).
 FP8_EXCLUDE = {"gpt2": ("transformer.wte", "lm_head"), "llama": ("lm_head",), "gpt": ("tok_embed", "pos_embed", "lm_head")}
+# The first layer's attention projections, which +attn0bf16 keeps in bf16 too: the gradients that part
+# furthest from fp32's late in a run, in every format (docs/benchmarks.md, thirty-seventh session).
+FIRST_ATTENTION = {"gpt2": ("transformer.h.0.attn.*",), "llama": ("model.layers.0.self_attn.*",),
+                   "gpt": ("blocks.0.qkv", "blocks.0.proj")}
 
 
 # --attention is_causal: transformers' SDPA attention under a name without a mask function, so that it
@@ -316,8 +321,11 @@ def fp8_options(args):
     return dict(fp8="tensorwise", fp8_exclude=FP8_EXCLUDE[args.model] + tuple(args.fp8_exclude or ()), **every_eligible)
 
 
-def build_flashoptim_fp8(model, args, **options):
-    return build_flashoptim(model, args, **{**fp8_options(args), **options})  # +delayed, +rowwise replace "tensorwise"
+def build_flashoptim_fp8(model, args, first_attention_bf16=False, **options):
+    fp8 = fp8_options(args)
+    if first_attention_bf16:
+        fp8["fp8_exclude"] += FIRST_ATTENTION[args.model]
+    return build_flashoptim(model, args, **{**fp8, **options})  # +delayed, +rowwise replace "tensorwise"
 
 
 def build_flashoptim_fp8_fp32states(model, args, **options):
@@ -404,6 +412,7 @@ MODIFIERS = {
     "fastaccum": dict(fp8_fast_accum=True),
     "delayed": dict(fp8="delayed"),
     "rowwise": dict(fp8="rowwise"),
+    "attn0bf16": dict(first_attention_bf16=True),  # the FP8 rows only
     "regional": dict(regional=True),
     "checkpoint": dict(activation_checkpointing=True),
     "eager": dict(compiler="eager"),

@@ -305,6 +305,23 @@ def test_configuration_modifiers_are_backend_options_of_the_flashoptim_rows(benc
         bench.parse_args(["--configs", "baseline,flashoptim+nope"])
 
 
+@pytest.mark.parametrize("model", ["llama", "gpt2", "gpt"])
+def test_attn0bf16_keeps_the_first_layers_attention_in_bf16_and_the_rest_in_fp8(bench, tmp_path, fresh_dynamo, model):
+    """``+attn0bf16``: the first layer's attention projections join the FP8 rows' exclusions (their
+    names match the model's modules: each is reported as excluded), the second layer's stay FP8."""
+    out = tmp_path / "hf.json"
+    bench.main(["--model", model, "--size", "tiny", "--configs", "flashoptim_fp8+attn0bf16", "--steps", "1", "--warmup",
+                "0", "--device", "cpu", "--no-inductor", "--out", str(out)])
+    decisions = json.loads(out.read_text())["runs"]["flashoptim_fp8+attn0bf16"]["fp8_decisions"]
+    first = {"llama": "model.layers.0.self_attn.", "gpt2": "transformer.h.0.attn.", "gpt": "blocks.0."}[model]
+    attention = {"llama": ("q_proj", "k_proj", "v_proj", "o_proj"), "gpt2": ("c_attn", "c_proj"), "gpt": ("qkv", "proj")}[model]
+    for layer in (first, first.replace("0", "1", 1)):
+        for projection in attention:
+            decision = decisions[f"{layer}{projection}.weight"]
+            assert decision.startswith("bf16: excluded by fp8_exclude" if layer == first else "fp8"), (projection, decision)
+    assert all(d.startswith("fp8") for n, d in decisions.items() if ".mlp." in n or ".fc" in n), decisions
+
+
 def test_checkpoint_modifier_recomputes_the_layers_in_backward(bench, fresh_dynamo):
     """``+checkpoint`` turns on Hugging Face's activation checkpointing, for the baseline and ours;
     a model without it is refused by name."""
