@@ -40,7 +40,17 @@ import json
 import statistics
 
 import torch
-from hf_clients import DEFAULTS, FP8_EXCLUDE, build_model, fp8_options, loss_function, lr_factor, model_config
+from hf_clients import (
+    DEFAULTS,
+    FP8_EXCLUDE,
+    build_model,
+    default_lr_warmup,
+    fp8_options,
+    loss_function,
+    lr_factor,
+    make_step,
+    model_config,
+)
 from train_gpt import batch, load_corpus, train_starts
 
 import flash_inductor
@@ -93,20 +103,17 @@ def pretrainer(model, corpus, args, device):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.lr_warmup, args.steps))
     step_loss = torch.compile(loss_function(model, True)) if device.type == "cuda" else loss_function(model, True)
+    step = make_step(step_loss, model.parameters(), opt, clip=1.0)
     starts = train_starts(len(corpus.train), args.steps, args.batch, args.seq, args.seed + 1).to(device)
     done = 0
 
     def train(n):
         nonlocal done
         for i in range(done, n):
-            loss = step_loss(*batch(corpus.train, starts[i], args.seq))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
+            loss = step(*batch(corpus.train, starts[i], args.seq))
             schedule.step()
             done = i + 1
-        print(f"pretrained {n} steps: loss {float(loss.detach()):.4f}" if n else "weights at initialization")
+        print(f"pretrained {n} steps: loss {float(loss):.4f}" if n else "weights at initialization")
 
     return train
 
@@ -170,7 +177,7 @@ def main():
         parser.error(f"--rows: {sorted(unknown)} unknown; the rows need fp32 or bf16 (the reference), "
                      f"fp32_next_batch needs fp32; choose from {ROWS}")
     args.batch, args.seq, args.lr = DEFAULTS[args.model][args.size]
-    args.fp8_exclude, args.lr_warmup = (), max(1, args.steps // 10)
+    args.fp8_exclude, args.lr_warmup = (), default_lr_warmup(args.steps)
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     model = build_model(args.model, model_config(args.model, args.size, args.seq)).to(device)

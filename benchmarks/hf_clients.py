@@ -393,6 +393,11 @@ CONFIGURATIONS = {  # name -> builder(model with fp32 params on the device, args
 }
 
 
+def default_lr_warmup(steps):
+    """The LR warm-up when --lr-warmup is not given: a tenth of the steps."""
+    return max(1, steps // 10)
+
+
 def lr_factor(step, warmup, total, floor=0.1):
     """Linear warm-up over ``warmup`` steps, then cosine decay to ``floor`` at ``total``."""
     if step < warmup:
@@ -853,7 +858,7 @@ def parse_args(argv):
         parser.error(f"--size {args.size} is for {[m for m, sizes in DEFAULTS.items() if args.size in sizes]}")
     default_batch, default_seq, default_lr = DEFAULTS[args.model][args.size]
     args.batch, args.seq, args.lr = args.batch or default_batch, args.seq or default_seq, args.lr or default_lr
-    args.lr_warmup = args.lr_warmup or max(1, args.steps // 10)
+    args.lr_warmup = args.lr_warmup or default_lr_warmup(args.steps)
     args.plot_prefix = f"hf_{args.model}_" if args.plot_prefix is None else args.plot_prefix
     if not args.report_from:
         args.config = model_config(args.model, args.size, args.seq, args.attention, args.layers)
