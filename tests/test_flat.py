@@ -357,26 +357,30 @@ def test_step_hooks_run():
     assert calls == ["pre", "post", "pre", "post"]
 
 
-def _fp16_amp_run(model, opt, steps=5, inf_at=2):
+INF_STEP = 2  # the step of _fp16_amp_run whose batch holds an inf
+
+
+def _fp16_amp_run(model, opt, steps=5):
     """An fp16 mixed-precision loop as users write it: autocast to fp16, GradScaler, gradients
-    unscaled and clipped before ``scaler.step``. The batch of step ``inf_at`` holds an inf, so its
-    gradients do and the scaler skips that step. Returns the losses, the final scale and every
-    stored bit just before and after the skipped ``scaler.step``; and the unscaled gradients' norms."""
+    unscaled and clipped before ``scaler.step``. The batch of step ``INF_STEP`` holds an inf, so its
+    gradients do and the scaler skips that step. Returns the losses, the unscaled gradients' norms,
+    the final scale, and every stored bit just before and after the skipped ``scaler.step``."""
     scaler = torch.amp.GradScaler("cpu")
     gen = torch.Generator().manual_seed(1)
     losses, norms, around_skip = [], [], []
     for i in range(steps):
         x = torch.randn(8, 128, generator=gen)
-        x[0, 0] = float("inf") if i == inf_at else x[0, 0]
+        if i == INF_STEP:
+            x[0, 0] = float("inf")
         with torch.autocast("cpu", dtype=torch.float16):
             loss = model(x).float().square().mean()
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
-        if i == inf_at:
+        if i == INF_STEP:
             around_skip.append(snapshot(model, opt))
         scaler.step(opt)
-        if i == inf_at:
+        if i == INF_STEP:
             around_skip.append(snapshot(model, opt))
         scaler.update()
         opt.zero_grad()
@@ -394,11 +398,11 @@ def test_an_fp16_gradscaler_loop_follows_stock_and_its_skipped_step_changes_noth
     assert all(torch.equal(before[k], after[k]) for k in before)
     torch.manual_seed(0)
     stock_model = Net(extra=nn.Linear(3, 5))
-    stock_losses, stock_norms, stock_scale, _ = _fp16_amp_run(stock_model, torch.optim.AdamW(stock_model.parameters(), lr=1e-2,
-                                                                                  weight_decay=0.1))
+    stock_opt = torch.optim.AdamW(stock_model.parameters(), lr=1e-2, weight_decay=0.1)  # _prepared_net's
+    stock_losses, stock_norms, stock_scale, _ = _fp16_amp_run(stock_model, stock_opt)
     assert scale == stock_scale == 2.0**15  # halved once, at the skipped step
     for i in range(len(losses)):
-        if i == 2:
+        if i == INF_STEP:
             assert not torch.isfinite(torch.tensor([losses[i], stock_losses[i], norms[i], stock_norms[i]])).any()
         else:
             assert abs(losses[i] - stock_losses[i]) <= 5e-3 * stock_losses[i], i
