@@ -106,9 +106,9 @@ def test_trainer_trains_a_model_compiled_in_place_with_fp8_linears(tmp_path):
     from ``torch.compile(model)`` hides it, and Trainer then drops every column of the dataset as
     unused). The model's graphs run after the passes by aten's kernels (``compiler="eager"``: the
     Trainer integration is what is tested, not Inductor's code). Every GPT-2 ``Conv1D`` projection
-    multiplies in FP8 (the pass's decisions), and the
-    losses follow the stock fp32 model's and AdamW's under the same Trainer within FP8's rounding
-    (measured: 0.023% at most, ten times bf16's 0.002% without FP8)."""
+    multiplies in FP8 (the pass's decisions), and the losses follow the stock fp32 model's and
+    AdamW's under the same Trainer within FP8's rounding (measured: 0.023% at most, ten times bf16's
+    0.002% without FP8)."""
     report = flash_inductor.inspection.Report()
     with flash_inductor.inspection.collecting(report):
         _, fp8_logs = _train(tmp_path / "fp8", seed=0, model_options={**EAGER, "fp8": "tensorwise",
