@@ -14,6 +14,8 @@ with:
     ours           the same, compiled by Inductor (what hf_clients' rows run)
     fastaccum_eager  ours_eager with ``fp8_fast_accum=True`` (what the seed rows of hf_clients run; GPU only)
     rowwise_eager  our FP8 pass with ``fp8="rowwise"``, aten kernels
+    e4m3grads_eager  ours_eager with ``fp8_e4m3_gradients=True`` (tensorwise, the output gradient in e4m3 as
+                   row-wise's is)
     torchao        torchao's ``convert_to_float8_training`` (lm_head excluded), ``torch.compile``
 
 and reports each row's gradient SQNR against the reference per parameter (and ``ours`` against
@@ -56,9 +58,11 @@ from train_gpt import batch, load_corpus, train_starts
 import flash_inductor
 from flash_inductor.formats.fp8 import sqnr_db
 
-ROWS = ("fp32", "fp32_next_batch", "bf16", "ours_eager", "ours", "fastaccum_eager", "rowwise_eager", "torchao")
+ROWS = ("fp32", "fp32_next_batch", "bf16", "ours_eager", "ours", "fastaccum_eager", "rowwise_eager", "e4m3grads_eager",
+        "torchao")
 OUR_ROWS = {"ours_eager": dict(compiler="eager"), "ours": {}, "fastaccum_eager": dict(compiler="eager", fp8_fast_accum=True),
-            "rowwise_eager": dict(compiler="eager", fp8="rowwise")}
+            "rowwise_eager": dict(compiler="eager", fp8="rowwise"),
+            "e4m3grads_eager": dict(compiler="eager", fp8_e4m3_gradients=True)}
 
 
 def torchao_model(model, name, device):

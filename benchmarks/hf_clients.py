@@ -37,6 +37,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
                         torchao's default for that GEMM
     +delayed            FP8 rows: delayed scaling (fp8="delayed"; scales from amax histories, so a cast needs no
                         pass over its tensor before it)
+    +e4m3grads          FP8 rows: the output gradient cast to e4m3 instead of e5m2 (fp8_e4m3_gradients=True), as
+                        row-wise scaling casts it, at tensorwise's speed
     +rowwise            FP8 rows: row-wise scaling (fp8="rowwise"; every GEMM operand e4m3 with a power-of-two
                         scale per row, torchao's "rowwise" recipe)
     +attn0bf16          FP8 rows: the first layer's attention projections kept in bf16 too (FIRST_ATTENTION)
@@ -417,6 +419,7 @@ MODIFIERS = {
     "fastaccum": dict(fp8_fast_accum=True),
     "delayed": dict(fp8="delayed"),
     "rowwise": dict(fp8="rowwise"),
+    "e4m3grads": dict(fp8_e4m3_gradients=True),
     "attn0bf16": dict(first_attention_bf16=True),  # the FP8 rows only
     "regional": dict(regional=True),
     "checkpoint": dict(activation_checkpointing=True),

@@ -2,8 +2,8 @@
 or row-wise scaling.
 
     forward:   y  = x @ w.T + b       x, w in e4m3 with per-tensor scales, output bf16
-    backward:  dx = dy @ w            dy in e5m2, w in e4m3
-               dw = dy.T @ x          dy in e5m2, x in e4m3
+    backward:  dx = dy @ w            dy in e5m2 (or e4m3: ``e4m3_gradients``), w in e4m3
+               dw = dy.T @ x          dy in e5m2 (or e4m3), x in e4m3
                db = dy.sum(0)
 
 Row-wise scaling (``rowwise=True``, torchao's "rowwise" recipe; ``Fp8RowwiseLinearFunction``): every
@@ -250,7 +250,8 @@ def _gradients(ctx, grad_x, grad_w, g2):
 
 class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, power_of_two, fast_accum, amax_history, scale, grad_amax_history, grad_scale):
+    def forward(ctx, x, weight, bias, power_of_two, fast_accum, amax_history, scale, grad_amax_history, grad_scale,
+                e4m3_gradients):
         xp, m, n, pn, pk = _padded_input(ctx, x, weight, bias)
         x_fp8, x_inv = _quantize(xp, fp8.E4M3, power_of_two, amax_history, scale, 0)
         if isinstance(weight, Fp8Weight):  # gathered in e4m3 (fp8_all_gather): cast already
@@ -262,6 +263,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         # a later forward (the next micro-batch) modified in place.
         ctx.grad_state = (grad_amax_history, grad_scale)
         ctx.power_of_two = power_of_two
+        ctx.grad_dtype = fp8.E4M3 if e4m3_gradients else fp8.E5M2
         # Column-major already for an (out, in) weight (no copy); a transposed (in, out) one is copied.
         out = _scaled_mm(_first_rows(x_fp8, m), x_inv, _col_major(w_fp8.t()), w_inv, fast_accum)
         return _output(out, bias, n, pn, x, weight)
@@ -275,11 +277,12 @@ class Fp8LinearFunction(torch.autograd.Function):
         x_fp8, x_inv, w_fp8, w_inv = ctx.saved_tensors
         g2 = _rows(grad_out.reshape(-1, grad_out.shape[-1]))
         m = g2.shape[0]
-        g_fp8, g_inv = _quantize(_pad_to(g2, x_fp8.shape[0], w_fp8.shape[0]), fp8.E5M2, ctx.power_of_two, *ctx.grad_state, 0)
+        g_fp8, g_inv = _quantize(_pad_to(g2, x_fp8.shape[0], w_fp8.shape[0]), ctx.grad_dtype, ctx.power_of_two,
+                                 *ctx.grad_state, 0)
         grad_x = _scaled_mm(_first_rows(g_fp8, m), g_inv, _col_major(w_fp8), w_inv)
         # Both transposed copies in kernels of their own (fp8_transpose: fused into a norm's backward they were slow).
         grad_w = _scaled_mm(transpose_fp8(g_fp8), g_inv, transpose_fp8(x_fp8).t(), x_inv)
-        return *_gradients(ctx, grad_x, grad_w, g2), None, None, None, None, None, None
+        return *_gradients(ctx, grad_x, grad_w, g2), None, None, None, None, None, None, None
 
 
 class Fp8RowwiseLinearFunction(torch.autograd.Function):
@@ -310,8 +313,8 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
         return *_gradients(ctx, grad_x, grad_w, g2), None
 
 
-def fp8_linear(x, weight, bias=None, *, rowwise=False, power_of_two=False, fast_accum=False, amax_history=None,
-               scale=None, grad_amax_history=None, grad_scale=None):
+def fp8_linear(x, weight, bias=None, *, rowwise=False, power_of_two=False, fast_accum=False, e4m3_gradients=False,
+               amax_history=None, scale=None, grad_amax_history=None, grad_scale=None):
     """``F.linear(x, weight, bias)`` with FP8 GEMMs in forward and backward.
 
     Current scaling by default. Delayed scaling with the layer's state (``fp8_delayed``):
@@ -319,6 +322,7 @@ def fp8_linear(x, weight, bias=None, *, rowwise=False, power_of_two=False, fast_
     [1, L] and ``grad_scale`` [1] for the grad-output, all fp32 and updated in place.
     ``power_of_two``: scales rounded down to powers of two. ``fast_accum``: the forward GEMM in the
     tensor cores' fast (lower-precision) accumulation mode, as torchao's default output GEMM.
+    ``e4m3_gradients``: the output gradient cast to e4m3 instead of e5m2 (row-wise's always is).
     ``rowwise``: row-wise scaling (current, power-of-two scales; not with delayed scaling's state).
     """
     if rowwise:
@@ -327,5 +331,5 @@ def fp8_linear(x, weight, bias=None, *, rowwise=False, power_of_two=False, fast_
         out = Fp8RowwiseLinearFunction.apply(x, weight, bias, fast_accum)
     else:
         out = Fp8LinearFunction.apply(x, weight, bias, power_of_two, fast_accum, amax_history, scale,
-                                      grad_amax_history, grad_scale)
+                                      grad_amax_history, grad_scale, e4m3_gradients)
     return out.reshape(*x.shape[:-1], weight.shape[0])

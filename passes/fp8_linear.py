@@ -62,7 +62,8 @@ unless ``fp8_output_layer``: a linear whose output reaches a loss (``cross_entro
 ``log_softmax``) through views, casts and scalings only, or whose weight is also an embedding's
 table (a head tied to the input embedding, whose loss may be in another graph). Every linear's
 decision is recorded for inspection. Option ``fp8_fast_accum`` adds ``fast_accum=True`` (the forward GEMM in
-the tensor cores' fast accumulation mode).
+the tensor cores' fast accumulation mode), ``fp8_e4m3_gradients`` adds ``e4m3_gradients=True`` (the
+output gradient cast to e4m3 instead of e5m2).
 
 A linear inside an activation-checkpointed region (``torch.utils.checkpoint``, which Dynamo captures
 as a ``tag_activation_checkpoint`` whose body takes the region's weights as operands) is rewritten
@@ -614,6 +615,8 @@ def _fp8_options(ctx):
     kwargs = {"rowwise": True} if ctx.options.fp8 == "rowwise" else {"power_of_two": ctx.options.fp8_power_of_two_scales}
     if ctx.options.fp8_fast_accum:
         kwargs["fast_accum"] = True
+    if ctx.options.fp8_e4m3_gradients and ctx.options.fp8 != "rowwise":  # row-wise's are e4m3 already
+        kwargs["e4m3_gradients"] = True
     return kwargs
 
 
