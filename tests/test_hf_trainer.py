@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flash_inductor
-from helpers import EAGER, snapshot
+from helpers import EAGER, decisions_of, snapshot
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # Trainer needs it
@@ -113,7 +113,7 @@ def test_trainer_trains_a_model_compiled_in_place_with_fp8_linears(tmp_path):
     with flash_inductor.inspection.collecting(report):
         _, fp8_logs = _train(tmp_path / "fp8", seed=0, model_options={**EAGER, "fp8": "tensorwise",
                                                                        "fp8_min_weight_numel": 0})
-    decisions = {subject: decision for g in report.graphs for p, subject, decision in g.decisions if p == "fp8_linear"}
+    decisions = decisions_of(report)
     projections = [f"transformer.h.{i}.{name}.weight" for i in range(2)
                    for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
     assert all(decisions[name].startswith("fp8") for name in projections), decisions
