@@ -58,6 +58,8 @@
 #              rows FlashOptim 0.1.4 and gradient release (one compiled step per parameter layout)
 #   fp8drift   issue 14: the FP8 GPU tests, and fp8_gradient_check.py's gradients against fp32 after 50, 150 and 300
 #              baseline steps of the Llama (bf16, FP8 tensorwise with and without fast accumulation, row-wise)
+#   fp8seeds   issue 14: the FP8 GPU tests (the e4m3 output gradient's among them) in the background, beside
+#              hfllamaseeds' runs of RUNS (log named by the card)
 #   hfllamacausal issue 14: the speed of the Llama's baseline and FP8 rows (60 steps, profiled) with SDPA's
 #              is_causal (flash attention) in place of the explicit causal mask that transformers passes
 #              under torch.compile before torch 2.14
@@ -660,6 +662,13 @@ case $stage in
             --steps 40 --log-every 20 --pipelined 20 ;;
       esac
     done
+    ;;
+  fp8seeds)
+    timeout 250 python -m pytest -v -m gpu tests/test_gpu.py -k "e4m3 or fp8 or rowwise or transpose" 2>&1 \
+      | grep -v "^DEBUG" > "$out/gpu_tests_fp8seeds_$card.log" &
+    bash "$0" hfllamaseeds "$out"
+    wait
+    tail -3 "$out/gpu_tests_fp8seeds_$card.log"
     ;;
   fp8drift)
     # the GPU tests of the FP8 pass (among them the transposed operands and rank-3 einsums of the thirty-sixth
