@@ -237,12 +237,15 @@ def e4m3_gradient_gains(fp8_mode, device="cpu", compiler="eager"):
         torch._dynamo.reset()
         model = copy.deepcopy(layer)
         run = model if e4m3 is None else flash_inductor.compile(
-            model, compiler=compiler, fp8=fp8_mode, fp8_min_weight_numel=0, fp8_e4m3_gradients=e4m3)
+            model, compiler=compiler, fp8=fp8_mode, fp8_min_weight_numel=0, fp8_min_gemm_size=0,
+            fp8_e4m3_gradients=e4m3)
         xi = x.clone().requires_grad_()
         out = run(xi)
         out.backward(grad_out)
         results.append((out.detach(), xi.grad, model.weight.grad))
     (_, ref_dx, ref_dw), (e5_out, e5_dx, e5_dw), (e4_out, e4_dx, e4_dw) = results
+    # a linear left in bf16 (as fp8_min_gemm_size once left it on CUDA) would make both gains inf - inf
+    assert not torch.equal(e5_dw, ref_dw) and not torch.equal(e4_dw, ref_dw), "the linear did not run in FP8"
     return (torch.equal(e4_out, e5_out), _sqnr(ref_dx, e4_dx) - _sqnr(ref_dx, e5_dx),
             _sqnr(ref_dw, e4_dw) - _sqnr(ref_dw, e5_dw))
 
