@@ -73,6 +73,18 @@ def _moe(config_class, model_class, experts_key, **extra):
     return _decoder(config_class, model_class, num_experts_per_tok=2, **{experts_key: 4}, **extra)
 
 
+def _alternating(first, second, d):
+    """A per-layer config list: ``first`` and ``second`` in turn over the ``layers``."""
+    return [first, second] * (d["layers"] // 2)
+
+
+def _t5gemma_stack(d):
+    """T5Gemma's encoder or decoder config fields."""
+    return dict(vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"],
+                num_hidden_layers=d["layers"], num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"],
+                head_dim=d["hidden"] // d["heads"])
+
+
 def _stage_widths(d):
     """Channels of a convolutional network's ``layers`` stages, doubling up to ``hidden``."""
     return [d["hidden"] // 2 ** (d["layers"] - 1 - i) for i in range(d["layers"])]
@@ -282,6 +294,45 @@ ARCHITECTURES = {
     "persimmon": lambda T, d: T.PersimmonForCausalLM(T.PersimmonConfig(
         vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
         num_attention_heads=d["heads"], max_position_embeddings=max(64, d["seq"]))),
+    # attention sinks (a learned logit per head), sliding-window layers, experts as 3-D parameters with biases
+    "gpt_oss": lambda T, d: _moe("GptOssConfig", "GptOssForCausalLM", "num_local_experts", sliding_window=16,
+                                 layer_types=_alternating("sliding_attention", "full_attention", d))(T, d),
+    # gated DeltaNet linear attention (torch's chunked recurrence) in turn with gated attention; experts and
+    # a shared expert
+    "qwen3_next": lambda T, d: _moe("Qwen3NextConfig", "Qwen3NextForCausalLM", "num_experts",
+                                    moe_intermediate_size=d["inter"] // 2, shared_expert_intermediate_size=d["inter"] // 2,
+                                    linear_num_value_heads=d["heads"], linear_num_key_heads=d["kv_heads"],
+                                    linear_key_head_dim=d["hidden"] // d["heads"],
+                                    linear_value_head_dim=d["hidden"] // d["heads"],
+                                    layer_types=_alternating("linear_attention", "full_attention", d))(T, d),
+    # gated short convolutions in place of attention in some layers
+    "lfm2": lambda T, d: T.Lfm2ForCausalLM(T.Lfm2Config(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"], max_position_embeddings=max(64, d["seq"]),
+        layer_types=_alternating("conv", "full_attention", d))),
+    # Mamba-2 and attention side by side in every layer, muP multipliers
+    "falcon_h1": _decoder("FalconH1Config", "FalconH1ForCausalLM", mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                          mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16),
+    # rotary embeddings off in some layers (NoPE)
+    "smollm3": lambda T, d: _decoder("SmolLM3Config", "SmolLM3ForCausalLM", no_rope_layers=_alternating(1, 0, d),
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)(T, d),
+    # xIELU activation (learned scalars inside the MLP's activation), norms on queries and keys
+    "apertus": _decoder("ApertusConfig", "ApertusForCausalLM"),
+    # sliding-window attention with global tokens, built from chunked matmuls
+    "longformer": lambda T, d: T.LongformerForMaskedLM(T.LongformerConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], attention_window=8, max_position_embeddings=max(64, d["seq"]) + 2)),
+    # an encoder-decoder of Gemma 2 layers
+    "t5gemma": lambda T, d: T.T5GemmaForConditionalGeneration(T.T5GemmaConfig(
+        encoder=_t5gemma_stack(d), decoder=dict(_t5gemma_stack(d), cross_attention_hidden_size=d["hidden"]),
+        vocab_size=d["vocab"])),
+    # AltUp's parallel streams, LAuReL's low-rank residuals, per-layer token embeddings
+    "gemma3n": lambda T, d: T.Gemma3nForCausalLM(T.Gemma3nTextConfig(
+        vocab_size=d["vocab"], vocab_size_per_layer_input=d["vocab"], hidden_size=d["hidden"],
+        hidden_size_per_layer_input=16, intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"], head_dim=d["hidden"] // d["heads"],
+        max_position_embeddings=max(64, d["seq"]), layer_types=_alternating("sliding_attention", "full_attention", d),
+        num_kv_shared_layers=0, activation_sparsity_pattern=[0.0] * d["layers"], laurel_rank=8, altup_num_inputs=2)),
 }
 IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext", "swin", "dinov2", "segformer"}
 AUDIO_MODELS = {"whisper"}  # mel features
