@@ -311,8 +311,9 @@ ARCHITECTURES = {
         num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"], max_position_embeddings=max(64, d["seq"]),
         layer_types=_alternating("conv", "full_attention", d))),
     # Mamba-2 and attention side by side in every layer, muP multipliers
-    "falcon_h1": _decoder("FalconH1Config", "FalconH1ForCausalLM", mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
-                          mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16),
+    "falcon_h1": lambda T, d: _decoder("FalconH1Config", "FalconH1ForCausalLM", mamba_d_ssm=d["hidden"],
+                                       mamba_n_heads=d["heads"], mamba_d_head=d["hidden"] // d["heads"], mamba_d_state=8,
+                                       mamba_n_groups=1, mamba_chunk_size=16)(T, d),
     # rotary embeddings off in some layers (NoPE)
     "smollm3": lambda T, d: _decoder("SmolLM3Config", "SmolLM3ForCausalLM", no_rope_layers=_alternating(1, 0, d),
                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)(T, d),

@@ -47,7 +47,7 @@ class Options:
         bits, 2**17.8 of range below its amax) instead of e5m2 (2 bits, the recipes' default), as
         row-wise scaling always does: half the output gradient's rounding error, at the same speed.
         A value under 2**-17.8 of the tensor's amax flushes to zero (e5m2: 2**-31.8). Off by default:
-        the Llama's loss over 15 seeds came no closer to bf16's than with e5m2 (docs/benchmarks.md).
+        the Llama's loss over 15 seeds came no closer to the baseline's than with e5m2 (docs/benchmarks.md).
     fp8_min_weight_numel: smallest weight (elements) worth an FP8 GEMM.
     fp8_min_gemm_size: smallest forward GEMM, tokens x in x out, worth FP8 GEMMs: below it the amax
         passes, casts and transposed copies cost more GPU time than the FP8 GEMMs save. None (the
