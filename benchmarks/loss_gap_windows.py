@@ -49,9 +49,10 @@ def last50_gaps(runs, config, baseline="baseline", seeds=None):
 
 
 def describe(values):
-    """(seeds, mean, 95% interval low, high, median, standard deviation) of ``{seed: value}``."""
+    """(seeds, mean, 95% interval low, high, median, standard deviation) of ``{seed: value}``; None
+    under two seeds, which have no spread."""
     v = [values[s] for s in sorted(values)]
-    return (len(v), *mean_interval(v), statistics.median(v), statistics.stdev(v))
+    return (len(v), *mean_interval(v), statistics.median(v), statistics.stdev(v)) if len(v) >= 2 else None
 
 
 def paired_difference(runs, first, second, seeds=None):
@@ -93,7 +94,11 @@ def main(argv=None):
     print()
     print("| last-50 gap | seeds | mean [95% interval] | median | std |")
     print("|---|---|---|---|---|")
-    for name, (n, mean, low, high, median, sd) in rows:
+    for name, row in rows:
+        if row is None:
+            print(f"| {name} | under 2 | | | |")
+            continue
+        n, mean, low, high, median, sd = row
         print(f"| {name} | {n} | {mean:+.2f} [{low:+.2f}, {high:+.2f}] | {median:+.2f} | {sd:.2f} |")
 
 

@@ -48,3 +48,4 @@ def test_paired_difference_takes_each_seeds_gaps_against_its_own_baseline_run(wi
     # the t quantile of 2 degrees of freedom, 4.303
     assert high - mean == pytest.approx(mean - low) == pytest.approx(4.303 * sd / 3 ** 0.5, rel=1e-3)
     assert windows.describe(windows.last50_gaps(runs, "A", seeds=seeds))[0] == 4
+    assert windows.paired_difference(runs, "A", "B", {0, 3}) is None  # one seed both ran: no spread
