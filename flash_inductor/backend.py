@@ -16,6 +16,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
 from flash_inductor import _compat, fp8_all_gather, fp8_delayed, graph_utils, inspection, memory, passes, roles, sharded
+from flash_inductor.fp8_linear import refused_by_user
 from flash_inductor.options import Options
 from flash_inductor.pipeline import AtenPasses, PassContext, run_torch_passes
 
@@ -43,6 +44,8 @@ def compile(fn=None, **options):
     (``prepare_fp8``).
     """
     parsed = Options.from_dict(options)  # fail early on bad options
+    if isinstance(fn, torch.nn.Module):
+        graph_utils.remember_names(fn)
     if parsed.fp8_state_per_layer and isinstance(fn, torch.nn.Module):
         prepare_fp8(fn, **options)
     if fn is None:
@@ -99,6 +102,7 @@ def inspect(fn, *args, **kwargs):
 @dataclasses.dataclass
 class Rewritten:
     graph_module: torch.fx.GraphModule
+    is_step: bool  # an optimizer step's graph (it writes parameters), else a model's
     bound_inputs: list  # tensors the passes added as placeholders, appended at run time
     rewritten: dict  # pass name -> rewritten node names
     context: PassContext
@@ -116,24 +120,70 @@ def rewrite(gm, example_inputs, options: Options) -> Rewritten:
     ctx = PassContext(graph_roles, written, options, record, inputs)
     with inspection.timing(record, "passes"):
         new_gm, rewritten = run_torch_passes(gm, example_inputs, passes.TORCH_PASSES, ctx, name)
-    return Rewritten(new_gm, graph_utils.bound_inputs(new_gm), rewritten, ctx, name)
+    return Rewritten(new_gm, is_step, graph_utils.bound_inputs(new_gm), rewritten, ctx, name)
 
 
 def compile_graph(gm, example_inputs, options: Options):
     result = rewrite(gm, example_inputs, options)
+    check_choices = None if result.is_step else _fp8_choices_check(gm, example_inputs, options)
     if options.compiler == "eager":
         compiled = result.graph_module.forward
     else:
         compiled = _inductor(result, list(example_inputs) + _static_fakes(result.bound_inputs, example_inputs),
                              passes.ATEN_PASSES)
-    if not result.bound_inputs:
-        return compiled
-    bind = graph_utils.bound_input_binder(result.graph_module)
+    if result.bound_inputs:
+        bind = graph_utils.bound_input_binder(result.graph_module)
+        compiled = functools.partial(_run_with_bound_inputs, compiled, bind)
+    if check_choices is not None:
+        compiled = functools.partial(_run_checked, compiled, check_choices)
+    return compiled
 
-    def run_with_bound_inputs(*args):
-        return compiled(*args, *bind(args))
 
-    return run_with_bound_inputs
+def _run_with_bound_inputs(compiled, bind, *args):
+    return compiled(*args, *bind(args))
+
+
+def _run_checked(compiled, check, *args):
+    check(args)
+    return compiled(*args)
+
+
+def _fp8_choices_check(gm, example_inputs, options):
+    """With ``fp8_exclude`` or ``fp8_filter``: a check of each call's arguments, else None.
+
+    Dynamo may run one graph for several modules: a submodule's forward, compiled as a frame of its
+    own after a graph break, serves every instance, their parameters coming as its inputs. The FP8
+    pass decided for the modules it was compiled for; the check raises ValueError where the user's
+    patterns choose otherwise for the modules of a call's matrices (2-D parameters)."""
+    if options.fp8 is None or not (options.fp8_exclude or options.fp8_filter):
+        return None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    watched = []  # (argument index, name within its frame, name compiled for, in FP8 by the patterns)
+    for i, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(example, torch.nn.Parameter) and example.dim() == 2:
+            name = graph_utils.input_name(node)
+            frame_name = graph_utils.source_name(node)
+            watched.append((i, frame_name, name, refused_by_user(name.rpartition(".")[0], options) is None))
+    if not watched:
+        return None
+    checked = set()  # ids of tensors found to be chosen alike
+
+    def check(args):
+        for i, frame_name, compiled_for, in_fp8 in watched:
+            tensor = args[i]
+            if id(tensor) in checked:
+                continue
+            name = graph_utils.name_in_model(frame_name, tensor)
+            if (refused_by_user(name.rpartition(".")[0], options) is None) != in_fp8:
+                fp8, other = (compiled_for, name) if in_fp8 else (name, compiled_for)
+                raise ValueError(
+                    f"fp8_exclude / fp8_filter keep {fp8} in FP8 but not {other}, and one compiled graph runs both: "
+                    "Dynamo compiled their module's forward once (a frame of its own, after a graph break) for every "
+                    "instance. Choose both alike (a pattern that matches both, or neither), or remove the graph break"
+                )
+            checked.add(id(tensor))
+
+    return check
 
 
 def _static_fakes(tensors, example_inputs):

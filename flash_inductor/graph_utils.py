@@ -1,6 +1,7 @@
 """Small FX helpers shared by the passes and the pipeline."""
 
 import re
+import weakref
 
 import torch
 import torch.fx as fx
@@ -52,6 +53,31 @@ def rewrite_copy(gm: fx.GraphModule, names, rewrite) -> fx.GraphModule:
     return gm
 
 
+# The names a model gives its parameters and buffers (``remember_names``): id(tensor) -> (a weak
+# reference to it, its names). Not a WeakKeyDictionary: its lookups compare tensors with ``==``.
+_MODEL_NAMES = {}
+
+
+def remember_names(model: torch.nn.Module):
+    """Record ``model``'s names of its parameters and buffers (every name of a tied one) for
+    ``input_name``: after a graph break Dynamo compiles a submodule's forward as a frame of its own,
+    whose inputs it names from that submodule (``fc.weight`` for the model's ``blocks.0.fc.weight``)."""
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names = _names_of(tensor)
+        if names is None:
+            key = id(tensor)
+            names = []
+            _MODEL_NAMES[key] = (weakref.ref(tensor, lambda _, key=key: _MODEL_NAMES.pop(key, None)), names)
+        if name not in names:
+            names.append(name)
+
+
+def _names_of(tensor):
+    """``remember_names``' names of ``tensor``, or None."""
+    ref, names = _MODEL_NAMES.get(id(tensor), (None, None))
+    return names if ref is not None and ref() is tensor else None
+
+
 def input_name(node: fx.Node):
     """The dotted name (``blocks.0.fc1.weight``) of a parameter or buffer input, read off Dynamo's
     source for it (``L['self']._modules['blocks']._modules['0']._parameters['weight']``); the
@@ -60,7 +86,32 @@ def input_name(node: fx.Node):
     The name is relative to the object the step reaches first: an argument, a global, or a
     closure's captured variable (``fn.__closure__[0].cell_contents``, a train step's ``model``),
     so it is the name ``model.named_parameters()`` gives and ``fp8_exclude`` patterns match. A
-    compiled module's ``_orig_mod`` is skipped the same way."""
+    compiled module's ``_orig_mod`` is skipped the same way. Where that object is a submodule (a
+    frame after a graph break) of a model ``remember_names`` recorded, the model's name that ends
+    with it is given instead."""
+    return name_in_model(source_name(node), _example(node))
+
+
+def name_in_model(name, tensor):
+    """The name ``remember_names`` recorded for ``tensor`` that is ``name`` or ends with it (one
+    named within a submodule), else ``name``."""
+    known = (_names_of(tensor) if isinstance(tensor, torch.Tensor) else None) or ()
+    if name in known:
+        return name
+    longer = [k for k in known if k.endswith("." + name)]
+    return longer[0] if len(longer) == 1 else name
+
+
+def _example(node: fx.Node):
+    """The tensor Dynamo compiled input ``node`` for, or None once it is gone."""
+    try:
+        return getattr(node.meta.get("grapharg"), "example", None)
+    except AssertionError:  # Dynamo holds it by a weak reference
+        return None
+
+
+def source_name(node: fx.Node):
+    """``input_name`` as Dynamo's source gives it, relative to the frame's first object."""
     containers = ("_modules", "_parameters", "_buffers")
     source = getattr(node.meta.get("grapharg"), "source", None)
     parts = []

@@ -19,7 +19,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from flash_inductor import checkpoint, flat, model_conversion, module_hooks, registry, roles, sharded
+from flash_inductor import checkpoint, flat, graph_utils, model_conversion, module_hooks, registry, roles, sharded
 from flash_inductor import gradient_release as release
 from flash_inductor.formats import split_weights, tensor_scaled
 from flash_inductor.optimizer_record import PreparedOptimizer, init_state, make_lr_tensor, prepared
@@ -149,6 +149,7 @@ def prepare(
         lay_out_flat(optimizer, record, range(len(optimizer.param_groups)))
         route_step_through_buckets(optimizer, compile_options or {})
     _install_prepared_methods(optimizer)
+    graph_utils.remember_names(model)  # for a model compiled in place after, whose graph breaks start frames
     return model
 
 

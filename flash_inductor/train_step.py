@@ -5,7 +5,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from flash_inductor import flat, model_conversion, roles
+from flash_inductor import flat, graph_utils, model_conversion, roles
 from flash_inductor.backend import COMPILED_BLOCKS, prepare_fp8
 from flash_inductor.backend import compile as compile_with_backend
 from flash_inductor.fp8_linear import refused_by_user
@@ -52,7 +52,7 @@ def train_step(fn=None, *, model, optimizer, regional=False, **options):
                 "targets, chunk_rows=...) in the step instead, or compile the whole step (regional=False)"
             )
         blocks = repeated_blocks(model)
-        block_options = _block_fp8_options(model, blocks, options)
+        _check_blocks_choose_alike(model, blocks, options)
     if optimizer not in roles.PREPARED:
         # The optimizer's own compiled step (and gradient release's) runs with these options too.
         prepare(model, optimizer, compile_options=options, **prepare_args)
@@ -60,9 +60,10 @@ def train_step(fn=None, *, model, optimizer, regional=False, **options):
         raise ValueError(f"train_step: optimizer is already prepared; drop {sorted(prepare_args)}")
     if options.get("fp8") == "delayed" or options.get("fp8_all_gather"):
         prepare_fp8(model, **options)
+    graph_utils.remember_names(model)  # frames compiled after a graph break name their layers within the model
     if regional:
         for block in blocks:
-            block.forward = _compiled_block_forward(block, len(blocks), block_options)
+            block.forward = _compiled_block_forward(block, len(blocks), options)
         step = _explaining_failures(fn, fn, model)
         setattr(step, COMPILED_BLOCKS, blocks)
         return step
@@ -109,14 +110,12 @@ def _compiled_block_forward(block, num_blocks, options):
     return forward
 
 
-def _block_fp8_options(model, blocks, options):
-    """``options`` for the blocks' shared graphs, whose layers the FP8 pass names within a block
-    (``mlp.down_proj``): ``fp8_exclude`` and ``fp8_filter``, which name them within the model
-    (``model.layers.3.mlp.down_proj``), become one filter on those names, or ValueError where they
-    choose differently for two blocks (one graph serves both)."""
+def _check_blocks_choose_alike(model, blocks, options):
+    """ValueError where ``fp8_exclude`` or ``fp8_filter`` choose differently for two blocks' layers
+    of one name within a block: the blocks share compiled graphs (one graph serves both)."""
     parsed = Options.from_dict(options)
     if parsed.fp8 is None or not (parsed.fp8_exclude or parsed.fp8_filter):
-        return options
+        return
     block_name = {id(m): name for name, m in model.named_modules()}
     chosen = {}  # name within a block -> (in FP8, the first full name it was decided for)
     for block in blocks:
@@ -132,7 +131,6 @@ def _block_fp8_options(model, blocks, options):
                     "by their name within a block (fp8_exclude=['*.mlp.down_proj']), or compile the whole step "
                     "(regional=False)"
                 )
-    return {**options, "fp8_exclude": (), "fp8_filter": lambda inner: chosen.get(inner, (True,))[0]}
 
 
 def repeated_blocks(model):

@@ -80,6 +80,61 @@ def test_a_model_captured_by_the_step_is_named_as_its_parameters(wrap):
     }
 
 
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.qkv(x).relu()
+
+
+class _BlockWithGraphBreak(nn.Module):
+    """A block whose forward breaks the graph (a print, as a model's logging does): Dynamo compiles
+    its attention's forward and what follows the break as frames of their own, which it names within
+    the submodule (``qkv.weight``, ``fc.weight``), and runs the latter for every block."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.fc = _Attention(), nn.Linear(32, 32)
+
+    def forward(self, x):
+        x = self.attn(x)
+        print("a graph break")
+        return self.fc(x)
+
+
+def _blocks_with_graph_breaks():
+    torch.manual_seed(0)
+    return nn.Sequential(*[_BlockWithGraphBreak() for _ in range(3)]).bfloat16()
+
+
+def test_layers_in_frames_after_a_graph_break_are_named_and_excluded_as_the_model_names_them():
+    """The report, ``fp8_exclude`` and ``fp8_filter`` see ``1.attn.qkv.weight`` where Dynamo's frame
+    says ``qkv.weight``: a pattern naming the model's layers keeps them in bf16 (before, a Hugging Face
+    vision tower excluded by ``model.visual.*`` ran in FP8)."""
+    model = _blocks_with_graph_breaks()
+    options = dict(EAGER, fp8="tensorwise", fp8_min_weight_numel=0, fp8_exclude=["*.fc"],
+                   fp8_filter=lambda name: name != "0.attn.qkv")
+    report = flash_inductor.inspect(flash_inductor.compile(model, **options), torch.randn(16, 32, dtype=torch.bfloat16))
+    decisions = {subject: decision for g in report.graphs for p, subject, decision in g.decisions if p == "fp8_linear"}
+    assert len(report.graphs) > 1  # the graph break
+    assert decisions["0.attn.qkv.weight"] == "bf16: rejected by fp8_filter"
+    assert decisions["1.attn.qkv.weight"] == "fp8 e4m3/e5m2"
+    assert decisions["0.fc.weight"] == "bf16: excluded by fp8_exclude ['*.fc']"
+    assert all(name[0].isdigit() for name in decisions), decisions  # no name within a submodule
+
+
+def test_a_graph_run_for_several_modules_refuses_patterns_that_choose_differently_for_them():
+    """The frame after the break serves every block with the decisions made for block 0's ``fc``:
+    a pattern that keeps block 1's in bf16 but not block 0's is refused at block 1's call, naming
+    both layers, before that graph runs with a choice the pattern did not make."""
+    model = _blocks_with_graph_breaks()
+    step = flash_inductor.compile(model, **EAGER, fp8="tensorwise", fp8_min_weight_numel=0, fp8_exclude=["1.*"])
+    with pytest.raises(ValueError, match=r"keep 0\.fc\.weight in FP8 but not 1\.fc\.weight.*one compiled graph"):
+        step(torch.randn(16, 32, dtype=torch.bfloat16))
+
+
 def test_size_threshold_keeps_small_layers_in_bf16():
     model = nn.Linear(64, 64)
     report = flash_inductor.inspect(flash_inductor.compile(model, **EAGER, fp8="tensorwise"), torch.randn(4, 64))
