@@ -78,6 +78,19 @@ def _alternating(first, second, d):
     return [first, second] * (d["layers"] // 2)
 
 
+def _mrope_sections(d):
+    """Qwen2.5-VL's rotary frequencies of a head split between time, height and width (1 : 1.5 : 1.5)."""
+    half = d["hidden"] // d["heads"] // 2
+    time = half // 4
+    return [time, (half - time) // 2, half - time - (half - time) // 2]
+
+
+def _qwen_vl_token_ids(d):
+    """Qwen2.5-VL's special tokens, the vocabulary's last four: image, video, vision start and end."""
+    return dict(image_token_id=d["vocab"] - 1, video_token_id=d["vocab"] - 2, vision_start_token_id=d["vocab"] - 3,
+                vision_end_token_id=d["vocab"] - 4)
+
+
 def _t5gemma_stack(d):
     """T5Gemma's encoder or decoder config fields."""
     return dict(vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"],
@@ -334,12 +347,25 @@ ARCHITECTURES = {
         num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"], head_dim=d["hidden"] // d["heads"],
         max_position_embeddings=max(64, d["seq"]), layer_types=_alternating("sliding_attention", "full_attention", d),
         num_kv_shared_layers=0, activation_sparsity_pattern=[0.0] * d["layers"], laurel_rank=8, altup_num_inputs=2)),
+    # a vision tower of window attention over patches merged 2 x 2, multimodal rotary positions (its data-dependent
+    # window indices break the graph)
+    "qwen2_5_vl": lambda T, d: T.Qwen2_5_VLForConditionalGeneration(T.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"],
+                         num_hidden_layers=d["layers"], num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"],
+                         max_position_embeddings=max(128, 2 * d["seq"]),
+                         rope_scaling={"type": "mrope", "mrope_section": _mrope_sections(d)}),
+        vision_config=dict(depth=d["layers"], hidden_size=d["hidden"] // 2, intermediate_size=d["inter"] // 2,
+                           num_heads=d["heads"] // 2, out_hidden_size=d["hidden"], patch_size=d["patch"],
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=4 * d["patch"],
+                           fullatt_block_indexes=[d["layers"] - 1]),
+        **_qwen_vl_token_ids(d))),
 }
 IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext", "swin", "dinov2", "segformer"}
 AUDIO_MODELS = {"whisper"}  # mel features
 WAVEFORM_MODELS = {"wav2vec2", "hubert"}
 CONTRASTIVE_MODELS = {"clip"}  # tokens and images in pairs
 IMAGE_TEXT_MODELS = {"llava"}  # one image's patch features in place of its tokens, then text
+QWEN_VL_MODELS = {"qwen2_5_vl"}  # an image's flattened patches and its grid; its merged patches' tokens in the text
 # Modules that call ops without a bf16 kernel, kept fp32 (prepare's keep_fp32): FNet's torch.fft.fftn
 KEEP_FP32 = {"fnet": ["*.fourier.self"]}
 ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs",
@@ -384,6 +410,17 @@ def fixed_batch(name, size, device):
         ids[:, 1:1 + image_tokens] = d["vocab"] - 1
         batch = dict(input_ids=ids, pixel_values=torch.randn(d["batch"], 3, d["image"], d["image"], generator=gen),
                      labels=ids.masked_fill(ids == d["vocab"] - 1, -100))
+    elif name in QWEN_VL_MODELS:  # each image: a grid of patches, merged 2 x 2 into its tokens after the first two
+        side = d["image"] // d["patch"]
+        image_tokens = side * side // 4
+        ids = ids.clamp(max=d["vocab"] - 5)
+        ids[:, 1] = d["vocab"] - 3
+        ids[:, 2:2 + image_tokens] = d["vocab"] - 1
+        ids[:, 2 + image_tokens] = d["vocab"] - 4
+        patch = 3 * 2 * d["patch"] ** 2  # channels x 2 frames (an image repeated) x pixels
+        batch = dict(input_ids=ids, pixel_values=torch.randn(d["batch"] * side * side, patch, generator=gen),
+                     image_grid_thw=torch.tensor([[1, side, side]] * d["batch"]),
+                     labels=ids.masked_fill(ids >= d["vocab"] - 4, -100))
     elif name in WAVEFORM_MODELS:  # CTC's labels: fewer than the frames, none the blank (0)
         batch = dict(input_values=torch.randn(d["batch"], d["samples"], generator=gen),
                      labels=ids[:, :d["seq"] // 8].clamp(min=1))
