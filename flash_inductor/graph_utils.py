@@ -1,7 +1,6 @@
 """Small FX helpers shared by the passes and the pipeline."""
 
 import re
-import weakref
 
 import torch
 import torch.fx as fx
@@ -53,9 +52,10 @@ def rewrite_copy(gm: fx.GraphModule, names, rewrite) -> fx.GraphModule:
     return gm
 
 
-# The names a model gives its parameters and buffers (``remember_names``): id(tensor) -> (a weak
-# reference to it, its names). Not a WeakKeyDictionary: its lookups compare tensors with ``==``.
-_MODEL_NAMES = {}
+# The attribute in which ``remember_names`` keeps a parameter's or buffer's names on the tensor itself:
+# a weak reference would make ``torch.utils.swap_tensors`` (FSDP2's ``fully_shard``) refuse it, and
+# ``swap_tensors`` moves the attribute with the tensor's other Python state.
+MODEL_NAMES = "_flashoptim_model_names"
 
 
 def remember_names(model: torch.nn.Module):
@@ -63,19 +63,9 @@ def remember_names(model: torch.nn.Module):
     ``input_name``: after a graph break Dynamo compiles a submodule's forward as a frame of its own,
     whose inputs it names from that submodule (``fc.weight`` for the model's ``blocks.0.fc.weight``)."""
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        names = _names_of(tensor)
-        if names is None:
-            key = id(tensor)
-            names = []
-            _MODEL_NAMES[key] = (weakref.ref(tensor, lambda _, key=key: _MODEL_NAMES.pop(key, None)), names)
+        names = tensor.__dict__.setdefault(MODEL_NAMES, [])
         if name not in names:
             names.append(name)
-
-
-def _names_of(tensor):
-    """``remember_names``' names of ``tensor``, or None."""
-    ref, names = _MODEL_NAMES.get(id(tensor), (None, None))
-    return names if ref is not None and ref() is tensor else None
 
 
 def input_name(node: fx.Node):
@@ -95,7 +85,7 @@ def input_name(node: fx.Node):
 def name_in_model(name, tensor):
     """The name ``remember_names`` recorded for ``tensor`` that is ``name`` or ends with it (one
     named within a submodule), else ``name``."""
-    known = (_names_of(tensor) if isinstance(tensor, torch.Tensor) else None) or ()
+    known = getattr(tensor, MODEL_NAMES, ()) if isinstance(tensor, torch.Tensor) else ()
     if name in known:
         return name
     longer = [k for k in known if k.endswith("." + name)]
