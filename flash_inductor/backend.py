@@ -46,8 +46,8 @@ def compile(fn=None, **options):
     parsed = Options.from_dict(options)  # fail early on bad options
     if isinstance(fn, torch.nn.Module):
         graph_utils.remember_names(fn)
-    if parsed.fp8_state_per_layer and isinstance(fn, torch.nn.Module):
-        prepare_fp8(fn, **options)
+        if parsed.fp8_state_per_layer:
+            prepare_fp8(fn, **options)
     if fn is None:
         return functools.partial(compile, **options)
     return torch.compile(fn, backend=flashoptim_backend, options=options or None)
@@ -163,7 +163,7 @@ def _fp8_choices_check(gm, example_inputs, options):
         if isinstance(example, torch.nn.Parameter) and example.dim() == 2:
             name = graph_utils.input_name(node)
             frame_name = graph_utils.source_name(node)
-            watched.append((i, frame_name, name, refused_by_user(name.rpartition(".")[0], options) is None))
+            watched.append((i, frame_name, name, _in_fp8_by_user(name, options)))
     if not watched:
         return None
     checked = set()  # ids of tensors found to be chosen alike
@@ -174,7 +174,7 @@ def _fp8_choices_check(gm, example_inputs, options):
             if id(tensor) in checked:
                 continue
             name = graph_utils.name_in_model(frame_name, tensor)
-            if (refused_by_user(name.rpartition(".")[0], options) is None) != in_fp8:
+            if _in_fp8_by_user(name, options) != in_fp8:
                 fp8, other = (compiled_for, name) if in_fp8 else (name, compiled_for)
                 raise ValueError(
                     f"fp8_exclude / fp8_filter keep {fp8} in FP8 but not {other}, and one compiled graph runs both: "
@@ -184,6 +184,11 @@ def _fp8_choices_check(gm, example_inputs, options):
             checked.add(id(tensor))
 
     return check
+
+
+def _in_fp8_by_user(weight_name, options):
+    """Whether ``fp8_exclude`` and ``fp8_filter`` leave the module of ``weight_name`` to FP8."""
+    return refused_by_user(weight_name.rpartition(".")[0], options) is None
 
 
 def _static_fakes(tensors, example_inputs):

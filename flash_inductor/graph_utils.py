@@ -55,7 +55,7 @@ def rewrite_copy(gm: fx.GraphModule, names, rewrite) -> fx.GraphModule:
 # The attribute in which ``remember_names`` keeps a parameter's or buffer's names on the tensor itself:
 # a weak reference would make ``torch.utils.swap_tensors`` (FSDP2's ``fully_shard``) refuse it, and
 # ``swap_tensors`` moves the attribute with the tensor's other Python state.
-MODEL_NAMES = "_flashoptim_model_names"
+_MODEL_NAMES = "_flashoptim_model_names"
 
 
 def remember_names(model: torch.nn.Module):
@@ -63,7 +63,7 @@ def remember_names(model: torch.nn.Module):
     ``input_name``: after a graph break Dynamo compiles a submodule's forward as a frame of its own,
     whose inputs it names from that submodule (``fc.weight`` for the model's ``blocks.0.fc.weight``)."""
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        names = tensor.__dict__.setdefault(MODEL_NAMES, [])
+        names = tensor.__dict__.setdefault(_MODEL_NAMES, [])
         if name not in names:
             names.append(name)
 
@@ -85,7 +85,7 @@ def input_name(node: fx.Node):
 def name_in_model(name, tensor):
     """The name ``remember_names`` recorded for ``tensor`` that is ``name`` or ends with it (one
     named within a submodule), else ``name``."""
-    known = getattr(tensor, MODEL_NAMES, ()) if isinstance(tensor, torch.Tensor) else ()
+    known = getattr(tensor, _MODEL_NAMES, ()) if isinstance(tensor, torch.Tensor) else ()
     if name in known:
         return name
     longer = [k for k in known if k.endswith("." + name)]
