@@ -180,3 +180,29 @@ def test_graphs_without_rewrites_match_inductor_bit_for_bit():
     reference = loss_and_grads("inductor")
     for a, b in zip(ours, reference):
         assert torch.equal(a, b)
+
+
+def test_an_optimizer_step_is_a_graph_that_writes_parameters(monkeypatch):
+    """One definition labels a graph "optimizer step" and turns Inductor's pattern matcher off for it:
+    it writes prepared parameters. Plain SGD on fp32 parameters under gradient release is one, though
+    no storage pass rewrites it; the model's graph keeps the pattern matcher. (Inductor stubbed: no compile.)"""
+    patches = []
+    monkeypatch.setattr(flash_inductor.backend, "compile_fx",
+                        lambda gm, inputs, config_patches=None, **kwargs: patches.append(config_patches) or gm.forward)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    flash_inductor.prepare(model, opt, keep_fp32=["*"], gradient_release=True)  # fp32, stateless: nothing to decode
+
+    def step(x):
+        model(x).sum().backward()  # the updates run in backward's hooks, each a compiled graph
+
+    report = flash_inductor.inspect(step, torch.randn(4, 8))
+    kinds = [g.kind for g in report.graphs]
+    assert kinds.count("model") == 1 and kinds.count("optimizer step") == 2, kinds  # the weight's and the bias's
+    for graph, config in zip(report.graphs, patches, strict=True):
+        if graph.kind == "optimizer step":
+            assert not any(s.rewritten for s in graph.stages if s.level == "torch")  # no storage pass rewrote it
+            assert config["pattern_matcher"] is False
+        else:
+            assert "pattern_matcher" not in (config or {})
