@@ -16,7 +16,7 @@ backend's aten passes, up to its generated code (``lowering_probe``: nothing is 
 Not the backend's whole pipeline (no Dynamo, no joint-graph passes), so the counts are of this
 layer as traced here. Written against torch 2.13::
 
-    python benchmarks/fp8_layer_kernels.py                        # tensorwise, row-wise, row-wise before
+    python benchmarks/fp8_layer_kernels.py                        # tensorwise, row-wise, row-wise before, persistent
     python benchmarks/fp8_layer_kernels.py --show rowwise-before  # that configuration's kernels
 """
 
@@ -37,6 +37,10 @@ CONFIGURATIONS = {
     "rowwise": dict(rowwise=True),
     # fp8_linear before the twenty-ninth session: the transposed casts written as casts of t.t()
     "rowwise-before": dict(rowwise=True),
+    # every reduction of up to 16 x Inductor's threshold persistent (a whole row in one block, read once):
+    # the variant that triton.multi_kernel=1 compiles beside the looped one and picks at run time if faster
+    "tensorwise-persistent": dict(rowwise=False, power_of_two=True),
+    "rowwise-persistent": dict(rowwise=True),
 }
 
 
@@ -190,6 +194,24 @@ def _record_kernel_bytes():
     TritonKernel.inductor_meta_per_kernel = with_bytes
 
 
+@contextlib.contextmanager
+def _persistent_as_multi_kernel(configuration):
+    """With a ``-persistent`` configuration: Inductor's choice of a persistent reduction as under
+    ``triton.multi_kernel`` (its threshold times 16), without the looped twin beside it."""
+    from torch._inductor.choices import InductorChoices
+
+    original = InductorChoices.should_use_persistent_reduction
+    if configuration.endswith("-persistent"):
+        def wider(features, cooperative_reduction):
+            with torch._inductor.config.patch({"triton.multi_kernel": 1}):
+                return original(features, cooperative_reduction)
+        InductorChoices.should_use_persistent_reduction = staticmethod(wider)
+    try:
+        yield
+    finally:
+        InductorChoices.should_use_persistent_reduction = staticmethod(original)
+
+
 def generated_code(configuration):
     """{"forward", "backward"}: for the layer's two graphs under ``configuration``, Inductor's code
     (sm_90), the graph's operators and the seconds Inductor took to lower it to that code (its share
@@ -201,7 +223,8 @@ def generated_code(configuration):
     generated = {}
     for name, graph in graphs.items():
         start = time.perf_counter()
-        code = _cuda_code(graph, fp8_option)
+        with _persistent_as_multi_kernel(configuration):
+            code = _cuda_code(graph, fp8_option)
         generated[name] = dict(code=code, graph_ops=sum(n.op == "call_function" for n in graph.graph.nodes),
                                lowering_s=round(time.perf_counter() - start, 1))
     return generated
@@ -210,17 +233,43 @@ def generated_code(configuration):
 _KERNEL = re.compile(r"@triton_heuristics\.(\w+)\((.*?)@triton\.jit\ndef (\w+)\(.*?\):\n(.*?)\n'''", re.S)
 
 
+_BYTES = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*fp8e4nv": 1, "*fp8e5": 1, "*i32": 4, "*i64": 8}
+
+
+def _reread_gb(decorator, body, sizes):
+    """GB a looped reduction reads again: Inductor's ``kernel_num_gb`` counts each buffer once, but a kernel
+    whose reduction result feeds later work loops over each row again (``for r0_offset``) and loads the
+    same rows again. Counted: every load of a whole tensor (indexed by both a row and a reduced element)
+    after the first of its pointer, at the tensor's size. Broadcast vectors (cached) are not counted."""
+    loops = body.split("for r0_offset in")[1:]
+    if len(loops) < 2 or "xnumel" not in sizes or "r0_numel" not in sizes:
+        return 0.0
+    dtypes = dict(re.findall(r"'(in_ptr\d+|in_out_ptr\d+)': '(\*\w+)'", decorator))
+    elements = int(sizes["xnumel"]) * int(sizes["r0_numel"])
+    seen, again = set(), 0
+    for loop in loops:
+        for pointer, index in re.findall(r"tl\.load\((in_ptr\d+|in_out_ptr\d+) \+ \((.*?)\),", loop):
+            if not (re.search(r"\br0_\d", index) and re.search(r"\bx\d", index)):
+                continue
+            if pointer in seen:
+                again += elements * _BYTES.get(dtypes.get(pointer), 0)
+            seen.add(pointer)
+    return again / 1e9
+
+
 def kernels(code):
-    """[{name, kind, sizes, gb, stores, transposed_stores}] of the Triton kernels in ``code``. A store is
-    transposed in a reduction kernel when consecutive elements of the reduced dimension (``r0_1``)
-    land a row apart (its index multiplies ``r0_1`` by a constant)."""
+    """[{name, kind, sizes, gb, reread_gb, loops, stores, transposed_stores}] of the Triton kernels in
+    ``code``. A store is transposed in a reduction kernel when consecutive elements of the reduced
+    dimension (``r0_1``) land a row apart (its index multiplies ``r0_1`` by a constant)."""
     found = []
     for kind, decorator, name, body in _KERNEL.findall(code):
         stores = re.findall(r"tl\.store\(\w+ \+ \((.*?)\)", body)
         transposed = [s for s in stores if "reduction" in kind and re.search(r"\b\d+\*r0_1\b", s)]
         gb = re.search(r"'kernel_num_gb': ([0-9.e-]+)", decorator)
-        found.append(dict(name=name, kind=kind, sizes=dict(re.findall(r"(\w+numel) = (\d+)", body)),
-                          gb=float(gb.group(1)) if gb else None, stores=len(stores), transposed_stores=len(transposed)))
+        sizes = dict(re.findall(r"(\w+numel) = (\d+)", body))
+        found.append(dict(name=name, kind=kind, sizes=sizes, gb=float(gb.group(1)) if gb else None,
+                          reread_gb=_reread_gb(decorator, body, sizes), loops=body.count("for r0_offset in"),
+                          stores=len(stores), transposed_stores=len(transposed)))
     return found
 
 
@@ -237,6 +286,7 @@ def summary(code):
     return dict(triton_kernels=len(found),
                 transpose_kernel_launches=len(copies),
                 inductor_kernels_gb=round(inductor_gb, 3),
+                reread_gb=round(sum(k["reread_gb"] for k in found), 3),
                 transposes_gb=round(sum(2 * r * c for r, c in copies) / 1e9, 3),
                 reductions_storing_transposed=sum(k["transposed_stores"] > 0 for k in found),
                 transposed_stores=sum(k["transposed_stores"] for k in found))
@@ -257,7 +307,8 @@ def main():
             if configuration == args.show:
                 print(f"-- {graph}")
                 for k in kernels(g["code"]):
-                    print(f"{k['kind']:21} {str(k['sizes']):40} {k['gb'] or 0:6.3f} GB stores {k['stores']} "
+                    print(f"{k['kind']:21} {str(k['sizes']):40} {k['gb'] or 0:6.3f} GB loops {k['loops']} "
+                          f"read again {k['reread_gb']:5.3f} GB stores {k['stores']} "
                           f"transposed {k['transposed_stores']}  {k['name'][:60]}")
     columns = [*summary(""), "graph_ops", "lowering_s"]
     print(f"{'configuration':15} {'graph':8} " + " ".join(f"{c:>29}" for c in columns))

@@ -59,6 +59,9 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
     +exactdiv           every fp32 division of the compiled graphs correctly rounded (Inductor's
                         eager_numerics.division_rounding, which the backend set for FP8 model graphs before the
                         thirty-fourth session; now Triton's approximate division, as in a stock torch.compile)
+    +multikernel        Inductor's triton.multi_kernel=1: each reduction compiled twice, looped and persistent (a
+                        whole row in one block, read once where the looped one reads it once per loop), and the
+                        faster picked on the GPU at run time (row-wise's casts read each row two or three times)
     +copygrads          the step copies every gradient into the flat buffers before its kernel runs, as it did
                         before the hand-written kernel read them where the backward left them (an A/B of that)
     +emulate_NAME       fp32 states (as +fp32states) rounded after every step through the format NAME of
@@ -430,6 +433,7 @@ MODIFIERS = {
     "copygrads": dict(copy_gradients=True),
     "recompute": dict(recompute_elementwise=True),
     "exactdiv": dict(inductor={"eager_numerics.division_rounding": True}),
+    "multikernel": dict(inductor={"triton.multi_kernel": 1}),
     # fp32 states rounded after every step through a format of state_candidates.py: its effect on training
     **{f"emulate_{name}": dict(state_bits=None, emulate_states=name) for name in STATE_CANDIDATES},
 }

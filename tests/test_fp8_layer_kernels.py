@@ -2,7 +2,8 @@
 forward and backward on an H200, read on the CPU. No reduction over rows (an RMSNorm, a row's amax)
 stores a tensor transposed, the slow kernels of flash_inductor/fp8_transpose.py: with tensorwise
 scales, and with row-wise scales since their transposed casts go through ``transpose_fp8``; the
-row-wise casts written as casts of ``t.t()`` (before) had such kernels. It needs Triton and runs in a
+row-wise casts written as casts of ``t.t()`` (before) had such kernels. Looped reductions read rows
+again; persistent ones do not. It needs Triton and runs in a
 process of its own (the probe answers CUDA queries as an H200 would)."""
 
 import importlib.util
@@ -33,3 +34,8 @@ def test_no_reduction_kernel_stores_an_fp8_tensor_transposed(tmp_path):
     # row-wise transposes each weight (7), each distinct input (4: q/k/v and gate/up share theirs) and
     # each gradient (7); tensorwise the inputs and gradients of the weight-gradient GEMMs
     assert (total("rowwise", "transpose_kernel_launches"), total("tensorwise", "transpose_kernel_launches")) == (18, 11)
+    # Rows of 2048 and 5632 are over Inductor's persistent-reduction threshold (1024): a kernel that casts
+    # a row by its own amax loops over it twice or three times, and row-wise has more such kernels;
+    # persistent reductions (as triton.multi_kernel compiles them) read each row once.
+    assert total("rowwise", "reread_gb") > total("tensorwise", "reread_gb") > 0, results
+    assert total("rowwise-persistent", "reread_gb") == total("tensorwise-persistent", "reread_gb") == 0, results
