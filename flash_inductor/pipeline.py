@@ -100,7 +100,7 @@ def run_torch_passes(gm: fx.GraphModule, example_inputs, passes, ctx, graph_name
                     "it, the step would update their stored codes as if they were values. If a float "
                     "hyperparameter (weight decay, betas, momentum) changes between steps, compile under "
                     "torch._dynamo.config.patch(specialize_float=True) (a prepared optimizer's own step does) "
-                    "or keep it fixed."
+                    "or keep it fixed." + _written_parameters_hint(ctx)
                 ) from error
             _skip(graph_pass, graph_name, error, ctx.recorder, first_decision)
             continue
@@ -110,6 +110,18 @@ def run_torch_passes(gm: fx.GraphModule, example_inputs, passes, ctx, graph_name
         if ctx.recorder:
             ctx.recorder.stage(TORCH, graph_pass.name, graph_utils.readable_code(gm, example_inputs), names)
     return gm, rewritten
+
+
+def _written_parameters_hint(ctx):
+    """What to do where the graph writes prepared parameters in place: a model that writes its own weights
+    (a clamp or renorm in its forward) cannot, as the step alone stores them (bf16 + error term)."""
+    names = sorted(role.prepared.param_names.get(role.param, "?") for name, role in ctx.roles.items()
+                   if role.kind == roles.PARAM and name in ctx.written)
+    if not names:
+        return ""
+    return (f" The graph writes the prepared parameters {names} in place. If that is the model's own write "
+            "(a clamp or a renorm in its forward), make it outside the compiled function, or keep their modules "
+            "fp32 (prepare's keep_fp32), whose parameters are stored as they are.")
 
 
 def _assign_graph(dst: fx.Graph, src: fx.Graph):

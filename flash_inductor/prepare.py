@@ -68,8 +68,9 @@ def prepare(
       float8_e4m3fn and the second in fp16, each with one fp32 scale per tensor (DESIGN §2.6;
       masters stay the split weights ``master_weight_bits`` asks for; docs/numerics.md).
     - ``optimizer.step()`` then runs through the ``flashoptim`` backend (compiled on first call,
-      with ``compile_options``); inside a function compiled with ``backend="flashoptim"`` it is
-      traced with the rest.
+      with ``compile_options``), or the hand-written Triton kernel where it applies; inside a
+      function compiled with ``backend="flashoptim"`` it stays a graph of its own (the function's
+      graph breaks at the call), compiled once for the optimizer's flat buckets.
     - ``gradient_release=True`` instead updates each parameter in backward, as soon as its
       gradient is complete, and frees the gradient; ``optimizer.step()`` only marks the end of a
       step (flash_inductor/gradient_release.py).

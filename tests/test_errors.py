@@ -399,6 +399,55 @@ def test_a_step_the_passes_cannot_rewrite_fails_loudly_instead_of_compiling_with
         opt.step()
     assert_unchanged(before, snapshot(model, opt))
 
+class _ClampsItsWeight(nn.Module):
+    """A model that writes its own weight in its forward: a clamp under ``no_grad`` before the linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.fc.weight.clamp_(-0.1, 0.1)
+        return self.out(torch.relu(self.fc(x)))
+
+
+def _clamping_step(keep_fp32):
+    torch.manual_seed(0)
+    model = _ClampsItsWeight()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    flash_inductor.prepare(model, opt, keep_fp32=keep_fp32, compile_options=EAGER)
+
+    @flash_inductor.train_step(model=model, optimizer=opt, **EAGER)
+    def step(x, y):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return model, opt, step
+
+
+def test_a_model_that_writes_its_prepared_weight_in_its_forward_names_it_and_the_fix():
+    """A forward that clamps a split (bf16 + error term) weight in place cannot compile: the storage pass
+    that would store the write fails on the model's graph. The error names the parameter and the way out
+    (keep its module fp32), nothing is written, and kept fp32 the model trains with its clamp."""
+    model, opt, step = _clamping_step(keep_fp32=())
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    before = snapshot(model, opt)
+    with pytest.raises(BackendCompilerFailed, match=r"(?s)writes the prepared parameters \['fc\.weight'\].*keep_fp32"):
+        step(x, y)
+    assert_unchanged(before, snapshot(model, opt))
+
+    model, opt, step = _clamping_step(keep_fp32=["fc"])
+    losses = [step(x, y).item() for _ in range(3)]
+    # clamped in the last forward, then one step of lr 1e-2
+    assert model.fc.weight.dtype == torch.float32 and model.fc.weight.abs().max() <= 0.1 + 1.5e-2
+    assert losses[-1] < losses[0]
+
+
 # ---------------------------------------------------------------------------- backend options
 
 
