@@ -359,10 +359,58 @@ ARCHITECTURES = {
                            spatial_merge_size=2, temporal_patch_size=2, window_size=4 * d["patch"],
                            fullatt_block_indexes=[d["layers"] - 1]),
         **_qwen_vl_token_ids(d))),
+    # Mamba-2 layers with one attention layer among them (attn_layer_indices), no rotary in the Mamba layers
+    "bamba": lambda T, d: _decoder("BambaConfig", "BambaForCausalLM", attn_layer_indices=[d["layers"] - 1],
+                                   mamba_n_heads=d["heads"] * 2, mamba_d_head=d["hidden"] // d["heads"], mamba_n_groups=1,
+                                   mamba_d_state=8, mamba_chunk_size=16)(T, d),
+    # Mamba-2 layers and one attention-and-MLP block whose weights all hybrid layers share, with a LoRA adapter each
+    "zamba2": lambda T, d: T.Zamba2ForCausalLM(T.Zamba2Config(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], num_key_value_heads=d["heads"], layers_block_type=_alternating("mamba", "hybrid", d),
+        mamba_d_state=8, n_mamba_heads=d["heads"] * 2, mamba_ngroups=1, chunk_size=16, num_mem_blocks=1,
+        use_shared_attention_adapter=True, adapter_rank=8, max_position_embeddings=max(64, d["seq"]),
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Mamba-2 and attention layers in turn, experts as 3-D parameters and a shared MLP, Granite's multipliers
+    "granitemoehybrid": lambda T, d: _moe("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", "num_local_experts",
+                                          shared_intermediate_size=d["inter"], layer_types=_alternating("mamba", "attention", d),
+                                          mamba_n_heads=d["heads"] * 2, mamba_d_head=d["hidden"] // d["heads"],
+                                          mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16)(T, d),
+    # sliding-window layers with rotary, full-attention layers without (NoPE), parallel blocks, logits scaled
+    "cohere2": lambda T, d: _decoder("Cohere2Config", "Cohere2ForCausalLM", sliding_window=16,
+                                     layer_types=_alternating("sliding_attention", "full_attention", d))(T, d),
+    # sigmoid router with a per-expert bias for selection, shared experts, a first dense layer, norms on q and k
+    "glm4_moe": lambda T, d: _decoder("Glm4MoeConfig", "Glm4MoeForCausalLM", n_routed_experts=4, num_experts_per_tok=2,
+                                      n_shared_experts=1, moe_intermediate_size=d["inter"] // 2, first_k_dense_replace=1,
+                                      n_group=1, topk_group=1, use_qk_norm=True, pad_token_id=0)(T, d),
+    # lightning attention (linear attention in blocks, a decay per head) in turn with full attention; experts,
+    # residuals scaled by alpha and beta
+    "minimax": lambda T, d: _moe("MiniMaxConfig", "MiniMaxForCausalLM", "num_local_experts", block_size=16,
+                                 layer_types=_alternating("linear_attention", "full_attention", d))(T, d),
+    # RMSNorms inside attention (before o_proj) and the MLP (before down_proj), squared-ReLU gated MLP; unquantized
+    "bitnet": _decoder("BitNetConfig", "BitNetForCausalLM"),
+    # an encoder-decoder like BART with pre-norm layers and a LayerNorm after each stack, embeddings scaled
+    "mbart": lambda T, d: T.MBartForConditionalGeneration(T.MBartConfig(
+        vocab_size=d["vocab"], d_model=d["hidden"], encoder_layers=d["layers"], decoder_layers=d["layers"],
+        encoder_attention_heads=d["heads"], decoder_attention_heads=d["heads"], encoder_ffn_dim=d["inter"],
+        decoder_ffn_dim=d["inter"], max_position_embeddings=max(64, d["seq"]), scale_embedding=True, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)),
+    # a relative position bias table per layer (no absolute positions), layer scales, mean pooling of the patches
+    "beit": lambda T, d: T.BeitForImageClassification(T.BeitConfig(
+        hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], image_size=d["image"], patch_size=d["patch"], num_labels=d["labels"],
+        use_relative_position_bias=True, use_absolute_position_embeddings=False, layer_scale_init_value=0.1,
+        use_mean_pooling=True)),
+    # gated relative position bias (buckets, gates computed from each query), CTC's loss
+    "wavlm": lambda T, d: T.WavLMForCTC(T.WavLMConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], pad_token_id=0, mask_time_prob=0.0, ctc_loss_reduction="mean", num_buckets=32,
+        max_bucket_distance=64,
+        **({} if d["samples"] > 10000 else dict(conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                                num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)))),
 }
-IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext", "swin", "dinov2", "segformer"}
+IMAGE_MODELS = {"vit", "siglip", "resnet", "convnext", "swin", "dinov2", "segformer", "beit"}
 AUDIO_MODELS = {"whisper"}  # mel features
-WAVEFORM_MODELS = {"wav2vec2", "hubert"}
+WAVEFORM_MODELS = {"wav2vec2", "hubert", "wavlm"}
 CONTRASTIVE_MODELS = {"clip"}  # tokens and images in pairs
 IMAGE_TEXT_MODELS = {"llava"}  # one image's patch features in place of its tokens, then text
 QWEN_VL_MODELS = {"qwen2_5_vl"}  # an image's flattened patches and its grid; its merged patches' tokens in the text

@@ -23,6 +23,14 @@ SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj_weight")
 
 
+def unused_weights(arguments):
+    """The ``WEIGHTS`` a call with these ``arguments`` (by name) never multiplies by: the separate q, k, v
+    weights, or with ``use_separate_proj_weight`` the stacked one (``_in_projections``)."""
+    if arguments.get("use_separate_proj_weight", False):
+        return ("in_proj_weight",)
+    return ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
 def unsupported_reason(arguments):
     """Why a call with these ``arguments`` (by name, as ``SIGNATURE.bind`` gives them; values or graph
     nodes) is left to torch's function, or None."""

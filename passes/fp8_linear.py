@@ -498,8 +498,11 @@ def _attentions(gm):
         for node in module.graph.nodes:
             if node.op == "call_function" and node.target is torch.nn.functional.multi_head_attention_forward:
                 arguments = multi_head_attention.SIGNATURE.bind(*node.args, **node.kwargs).arguments
+                # The weights the call multiplies by: the stacked one or the separate ones, never both
+                # (Hugging Face's WavLM passes torch.empty([0]) for the stacked one it does not use).
+                unused = multi_head_attention.unused_weights(arguments)
                 weights = {k: operands.get(arguments[k], arguments[k]) for k in multi_head_attention.WEIGHTS
-                           if isinstance(arguments.get(k), fx.Node)}
+                           if k not in unused and isinstance(arguments.get(k), fx.Node)}
                 yield body, node, arguments, weights
 
 

@@ -790,6 +790,36 @@ def test_attention_whose_weight_slices_would_need_too_much_padding_stays_bf16():
     }
 
 
+class SeparateProjections(nn.Module):
+    """``F.multi_head_attention_forward`` called as Hugging Face's WavLM calls it: separate q, k, v
+    weights (``use_separate_proj_weight=True``) and ``torch.empty([0])`` for the unused stacked one."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        x = x.transpose(0, 1)
+        return F.multi_head_attention_forward(
+            x, x, x, 64, 4, torch.empty([0]), torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)),
+            None, None, False, 0.0, self.out_proj.weight, self.out_proj.bias, training=True, need_weights=False,
+            use_separate_proj_weight=True, q_proj_weight=self.q_proj.weight, k_proj_weight=self.k_proj.weight,
+            v_proj_weight=self.v_proj.weight)[0].transpose(0, 1)
+
+
+def test_an_unused_stacked_weight_of_separate_projections_is_not_reported():
+    """With ``use_separate_proj_weight=True`` torch's function never multiplies by ``in_proj_weight``:
+    the report listed WavLM's ``torch.empty([0])`` there as a matmul kept in bf16 ("weight is not a
+    parameter"), one a layer that does not exist. The four projections run in FP8, as before."""
+    torch.manual_seed(0)
+    model = SeparateProjections().bfloat16()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    _, decisions = _inspected_fp8(model, x)
+    assert decisions == {f"{name}.weight": "fp8 e4m3/e5m2" for name in ("q_proj", "k_proj", "v_proj", "out_proj")}
+    assert _sqnr(reference(x), flash_inductor.compile(model, **FP8_ALL)(x)) >= 22
+
+
 def test_a_transformer_layer_in_a_checkpointed_region_runs_its_attention_in_fp8():
     """torch's ``nn.TransformerEncoderLayer`` under ``torch.utils.checkpoint``: the attention's call is
     rewritten in the region's body too, its weights being operands of the region."""
