@@ -61,7 +61,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
                         thirty-fourth session; now Triton's approximate division, as in a stock torch.compile)
     +multikernel        Inductor's triton.multi_kernel=1: each reduction compiled twice, looped and persistent (a
                         whole row in one block, read once where the looped one reads it once per loop), and the
-                        faster picked on the GPU at run time (row-wise's casts read each row two or three times)
+                        faster picked on the GPU at run time (row-wise's casts read each row two or three times);
+                        each pick is printed with both forms' timings
     +copygrads          the step copies every gradient into the flat buffers before its kernel runs, as it did
                         before the hand-written kernel read them where the backward left them (an A/B of that)
     +emulate_NAME       fp32 states (as +fp32states) rounded after every step through the format NAME of
@@ -118,6 +119,7 @@ import dataclasses
 import functools
 import gc
 import json
+import logging
 import math
 import pathlib
 import pickle
@@ -438,6 +440,16 @@ MODIFIERS = {
     **{f"emulate_{name}": dict(state_bits=None, emulate_states=name) for name in STATE_CANDIDATES},
 }
 BASELINE_MODIFIERS = {"foreach": dict(fused=False), "checkpoint": dict(activation_checkpointing=True)}
+
+
+def log_multi_kernel_picks():
+    """Print Inductor's multi-kernel choices (+multikernel): each reduction's forms (persistent, looped) with
+    their timings on the GPU at the first run and the one kept (Inductor logs them at debug level)."""
+    logger = logging.getLogger("torch._inductor.codegen.multi_kernel")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("    multi-kernel: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
 
 
 def parse_configuration(name):
@@ -1021,6 +1033,8 @@ def main(argv=None):
           f"{args.steps} steps on {info['device']}", flush=True)
     if device.type == "cuda":
         warm_up_cublas(device)
+    if any("+multikernel" in name for name in args.configs.split(",")):
+        log_multi_kernel_picks()
     start = allocated(device)
     results = dict(info=info, runs={}, skipped={}, failed={}, targets={})
     for name in args.configs.split(","):
