@@ -18,7 +18,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from flash_inductor import _compat, fp8_all_gather, fp8_delayed, graph_utils, inspection, memory, passes, roles, sharded
 from flash_inductor.fp8_linear import refused_by_user
 from flash_inductor.options import Options
-from flash_inductor.pipeline import AtenPasses, PassContext, run_torch_passes
+from flash_inductor.pipeline import AtenPasses, PassContext, run_torch_passes, written_param_roles
 
 _graph_ids = itertools.count()
 
@@ -113,9 +113,9 @@ def rewrite(gm, example_inputs, options: Options) -> Rewritten:
     """Roles, then the torch-level passes on a Dynamo graph."""
     graph_roles = roles.find_roles(gm, example_inputs)
     written = roles.mutated_inputs(gm.graph)
-    # The one definition of an optimizer step's graph (the record's label; no FP8 choices check; no
-    # pattern matcher in _inductor): it writes prepared parameters in place.
-    is_step = any(r.kind == roles.PARAM and n in written for n, r in graph_roles.items())
+    # An optimizer step's graph writes prepared parameters in place: the record's label, no FP8 choices
+    # check, no pattern matcher and no CUDA graphs in _inductor.
+    is_step = bool(written_param_roles(graph_roles, written))
     name = f"graph_{next(_graph_ids)}"
     record = inspection.new_graph_record(name, "optimizer step" if is_step else "model", graph_roles, options)
     inputs = {node.name: tensor for node, tensor in roles.graph_input_tensors(gm, example_inputs).items()}
@@ -163,8 +163,8 @@ def _fp8_choices_check(gm, example_inputs, options):
     watched = []  # (argument index, name within its frame, name compiled for, in FP8 by the patterns)
     for i, (node, example) in enumerate(zip(placeholders, example_inputs)):
         if isinstance(example, torch.nn.Parameter) and example.dim() == 2:
-            name = graph_utils.input_name(node)
             frame_name = graph_utils.source_name(node)
+            name = graph_utils.name_in_model(frame_name, example)  # input_name's, from the example at hand
             watched.append((i, frame_name, name, _in_fp8_by_user(name, options)))
     if not watched:
         return None
@@ -214,7 +214,7 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
         # Inductor's pattern matcher looks for matmul/attention patterns an optimizer step has none
         # of; off, a 16-tensor step compiled 12% faster on the CPU, to the same bits.
         patches["pattern_matcher"] = False
-    if ctx.options.cudagraphs and not ctx.updated_params() and not any(r.kind == roles.GRAD for r in ctx.roles.values()):
+    if ctx.options.cudagraphs and not result.is_step and not any(r.kind == roles.GRAD for r in ctx.roles.values()):
         patches["triton.cudagraphs"] = True
     patches.update(_compat.cpp_patches(example_inputs))
     patches.update(ctx.options.inductor)

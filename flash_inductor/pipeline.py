@@ -50,7 +50,13 @@ class PassContext:
 
     def updated_params(self):
         """The prepared parameters the graph writes in place: the ones its optimizer step updates."""
-        return {role.param for name, role in self.roles.items() if role.kind == roles.PARAM and name in self.written}
+        return {role.param for role in written_param_roles(self.roles, self.written)}
+
+
+def written_param_roles(graph_roles, written):
+    """The roles of the prepared parameters a graph writes in place (``roles.mutated_inputs``'s names):
+    an optimizer step's graph is one that has any."""
+    return [role for name, role in graph_roles.items() if role.kind == roles.PARAM and name in written]
 
 
 class PassFailed(Warning):
@@ -115,8 +121,7 @@ def run_torch_passes(gm: fx.GraphModule, example_inputs, passes, ctx, graph_name
 def _written_parameters_hint(ctx):
     """What to do where the graph writes prepared parameters in place: a model that writes its own weights
     (a clamp or renorm in its forward) cannot, as the step alone stores them (bf16 + error term)."""
-    names = sorted(role.prepared.param_names.get(role.param, "?") for name, role in ctx.roles.items()
-                   if role.kind == roles.PARAM and name in ctx.written)
+    names = sorted(role.prepared.param_names.get(role.param, "?") for role in written_param_roles(ctx.roles, ctx.written))
     if not names:
         return ""
     return (f" The graph writes the prepared parameters {names} in place. If that is the model's own write "
