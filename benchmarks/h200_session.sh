@@ -143,8 +143,8 @@
 #              recipes), speed (the Llama, is_causal, 40 steps: the baseline against FP8 + fast accumulation + cudagraphs,
 #              tensorwise and row-wise; CONFIGS picks rows, LIMIT the seconds, PROFILE=N profiles N steps of each),
 #              profile (row-wise alone, 20 steps back to back, 3 profiled), layers2 (the Llama cut to 2 layers,
-#              tensorwise and row-wise in one process, or the rows of CONFIGS, e.g. with +multikernel for
-#              persistent reductions; every kernel of 3 profiled steps). SUFFIX names
+#              tensorwise and row-wise in one process, or the rows of CONFIGS, e.g. with +multikernel or
+#              +persistent for persistent reductions; every kernel of 3 profiled steps; LIMIT the seconds). SUFFIX names
 #              the logs of a rerun; files named by the card (h100 / h200). Its loss over seeds: hfllamaseeds with
 #              RUNS="flashoptim_fp8+fastaccum+rowwise:0 ..." (the baselines of the same seeds are stored)
 #   rowwisecompile issue 14: the first step's compile, row-wise against tensorwise, on the Llama cut to 2 layers (full
@@ -634,7 +634,7 @@ case $stage in
           --attention is_causal --configs flashoptim_fp8+rowwise+fastaccum+cudagraphs --steps 20 --log-every 10 \
           --pipelined 20 --profile 3 ;;
       layers2)
-        logged "hf_clients_llama2l_rowwise_profile${SUFFIX:-}_$card" 400 hf_clients.py --model llama --layers 2 \
+        logged "hf_clients_llama2l_rowwise_profile${SUFFIX:-}_$card" "${LIMIT:-400}" hf_clients.py --model llama --layers 2 \
           --attention is_causal --configs "${CONFIGS:-flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+rowwise+fastaccum+cudagraphs}" \
           --steps 30 --log-every 10 --pipelined 20 --profile 3 --profile-top 90 ;;
     esac

@@ -63,6 +63,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
                         whole row in one block, read once where the looped one reads it once per loop), and the
                         faster picked on the GPU at run time (row-wise's casts read each row two or three times);
                         each pick is printed with both forms' timings
+    +persistent         the backend's persistent_rows=8192: every reduction along rows of up to 8192 elements
+                        written persistent (each row read once; the Llama's rows are 2048 and 5632), no looped twin
     +copygrads          the step copies every gradient into the flat buffers before its kernel runs, as it did
                         before the hand-written kernel read them where the backward left them (an A/B of that)
     +emulate_NAME       fp32 states (as +fp32states) rounded after every step through the format NAME of
@@ -436,6 +438,7 @@ MODIFIERS = {
     "recompute": dict(recompute_elementwise=True),
     "exactdiv": dict(inductor={"eager_numerics.division_rounding": True}),
     "multikernel": dict(inductor={"triton.multi_kernel": 1}),
+    "persistent": dict(persistent_rows=8192),
     # fp32 states rounded after every step through a format of state_candidates.py: its effect on training
     **{f"emulate_{name}": dict(state_bits=None, emulate_states=name) for name in STATE_CANDIDATES},
 }

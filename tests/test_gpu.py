@@ -1,5 +1,6 @@
 """GPU (CUDA + Triton) checks: run on the H200 with ``pytest -m gpu tests``; skipped without CUDA."""
 
+import collections
 import copy
 import re
 import warnings
@@ -759,6 +760,40 @@ def test_rowwise_fp8_linear_compiled_for_cuda_matches_the_fp64_reference(fast_ac
                        accumulation=tensor_cores)
     assert_within_bf16(layer.weight.grad.cpu(), reference_gemm(gc.t(), xd),
                        reference_rows(gc.t()).abs() @ reference_rows(xd.t()).abs().t(), accumulation=tensor_cores)
+
+
+def _reductions_of_rows(codes, length):
+    """{Inductor's kind of reduction kernel: count} among ``codes``' kernels that reduce rows of ``length``."""
+    kinds = re.findall(r"@triton_heuristics\.(\w*reduction)\(\s*size_hints=\{[^}]*'r0_': (\d+)", "".join(codes))
+    return collections.Counter(kind for kind, rows in kinds if int(rows) == length)
+
+
+def test_persistent_rows_read_each_row_once_and_keep_the_bits():
+    """``persistent_rows``: the row-wise FP8 casts of rows of 2048 elements, over Inductor's threshold
+    (1024), become persistent reductions (each row read once instead of looped over twice), and the
+    forward and both gradients keep their bits: an amax is the same in any order, a cast is elementwise."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    layer = nn.Linear(2048, 1536, bias=False).cuda().bfloat16()
+    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(256, 1536, device="cuda", dtype=torch.bfloat16)
+    runs = {}
+    for rows in (None, 8192):
+        torch._dynamo.reset()
+        compiled = flash_inductor.compile(layer, fp8="rowwise", persistent_rows=rows, **EVERY_LINEAR)
+        x.grad = layer.weight.grad = None
+
+        def forward_backward():
+            y = compiled(x)  # noqa: B023 (called in this iteration)
+            y.backward(g)
+            return y.detach()
+
+        y, codes = run_and_get_code(forward_backward)
+        runs[rows] = dict(y=y, x_grad=x.grad.clone(), weight_grad=layer.weight.grad.clone()), _reductions_of_rows(codes, 2048)
+    assert runs[None][1]["reduction"] > 0 and runs[None][1]["persistent_reduction"] == 0, runs[None][1]
+    assert runs[8192][1]["reduction"] == 0 and runs[8192][1]["persistent_reduction"] > 0, runs[8192][1]
+    assert_same_bits(runs[None][0], runs[8192][0])
 
 
 @pytest.mark.parametrize("gradient_format", ["e5m2", "e4m3"])
