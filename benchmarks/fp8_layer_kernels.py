@@ -30,8 +30,6 @@ import torch
 import torch.nn.functional as F
 from lowering_probe import pretend_sm90
 
-from flash_inductor import inductor_choices
-
 TOKENS, HIDDEN, INTERMEDIATE, HEADS = 8192, 2048, 5632, 16
 
 CONFIGURATIONS = {
@@ -39,7 +37,8 @@ CONFIGURATIONS = {
     "rowwise": dict(rowwise=True),
     # fp8_linear before the twenty-ninth session: the transposed casts written as casts of t.t()
     "rowwise-before": dict(rowwise=True),
-    # the backend's persistent_rows=8192: every row of the layer reduced in one block, read once
+    # every reduction of up to 16 x Inductor's threshold persistent (a whole row in one block, read once):
+    # the variant that triton.multi_kernel=1 compiles beside the looped one and picks at run time if faster
     "tensorwise-persistent": dict(rowwise=False, power_of_two=True),
     "rowwise-persistent": dict(rowwise=True),
 }
@@ -195,10 +194,22 @@ def _record_kernel_bytes():
     TritonKernel.inductor_meta_per_kernel = with_bytes
 
 
-def _kernel_choices(configuration):
-    """With a ``-persistent`` configuration: the backend's option ``persistent_rows=8192`` (every row of
-    the layer reduced in one block and read once); otherwise Inductor's own choices."""
-    return inductor_choices.persistent_rows(8192 if configuration.endswith("-persistent") else None)
+@contextlib.contextmanager
+def _persistent_as_multi_kernel(configuration):
+    """With a ``-persistent`` configuration: Inductor's choice of a persistent reduction as under
+    ``triton.multi_kernel`` (its threshold times 16), without the looped twin beside it."""
+    from torch._inductor.choices import InductorChoices
+
+    original = InductorChoices.should_use_persistent_reduction
+    if configuration.endswith("-persistent"):
+        def wider(features, cooperative_reduction):
+            with torch._inductor.config.patch({"triton.multi_kernel": 1}):
+                return original(features, cooperative_reduction)
+        InductorChoices.should_use_persistent_reduction = staticmethod(wider)
+    try:
+        yield
+    finally:
+        InductorChoices.should_use_persistent_reduction = staticmethod(original)
 
 
 def generated_code(configuration):
@@ -212,7 +223,7 @@ def generated_code(configuration):
     generated = {}
     for name, graph in graphs.items():
         start = time.perf_counter()
-        with _kernel_choices(configuration):
+        with _persistent_as_multi_kernel(configuration):
             code = _cuda_code(graph, fp8_option)
         generated[name] = dict(code=code, graph_ops=sum(n.op == "call_function" for n in graph.graph.nodes),
                                lowering_s=round(time.perf_counter() - start, 1))

@@ -143,8 +143,8 @@
 #              recipes), speed (the Llama, is_causal, 40 steps: the baseline against FP8 + fast accumulation + cudagraphs,
 #              tensorwise and row-wise; CONFIGS picks rows, LIMIT the seconds, PROFILE=N profiles N steps of each),
 #              profile (row-wise alone, 20 steps back to back, 3 profiled), layers2 (the Llama cut to 2 layers,
-#              tensorwise and row-wise in one process, or the rows of CONFIGS, e.g. with +multikernel or
-#              +persistent for persistent reductions; every kernel of 3 profiled steps; LIMIT the seconds). SUFFIX names
+#              tensorwise and row-wise in one process, or the rows of CONFIGS, e.g. with +multikernel for
+#              persistent reductions; every kernel of 3 profiled steps; LIMIT the seconds). SUFFIX names
 #              the logs of a rerun; files named by the card (h100 / h200). Its loss over seeds: hfllamaseeds with
 #              RUNS="flashoptim_fp8+fastaccum+rowwise:0 ..." (the baselines of the same seeds are stored)
 #   rowwisecompile issue 14: the first step's compile, row-wise against tensorwise, on the Llama cut to 2 layers (full

@@ -49,6 +49,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
     +eager              the backend's compiler="eager": the same graphs after the same passes, run by aten's
                         kernels instead of Inductor's (a check of what Inductor's code does to training)
     +nocse              the pass fp8_transpose_cse switched off (each FP8 linear transposes its own input)
+    +recomputedscales   the pass fp8_scales_stored switched off: each cast kernel recomputes its FP8 scale for
+                        every element it casts, as before the forty-first session
     +buckets            flat buckets of at most 2**26 elements (prepare's bucket_numel): the step lands the
                         gradients bucket by bucket, holding them twice for one bucket only
     +chunkedloss        the lm_head and its cross-entropy 1024 rows at a time (loss_chunk_rows=1024): the fp32
@@ -63,8 +65,6 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
                         whole row in one block, read once where the looped one reads it once per loop), and the
                         faster picked on the GPU at run time (row-wise's casts read each row two or three times);
                         each pick is printed with both forms' timings
-    +persistent         the backend's persistent_rows=8192: every reduction along rows of up to 8192 elements
-                        written persistent (each row read once; the Llama's rows are 2048 and 5632), no looped twin
     +copygrads          the step copies every gradient into the flat buffers before its kernel runs, as it did
                         before the hand-written kernel read them where the backward left them (an A/B of that)
     +emulate_NAME       fp32 states (as +fp32states) rounded after every step through the format NAME of
@@ -432,13 +432,13 @@ MODIFIERS = {
     "checkpoint": dict(activation_checkpointing=True),
     "eager": dict(compiler="eager"),
     "nocse": dict(disable=("fp8_transpose_cse",)),
+    "recomputedscales": dict(disable=("fp8_scales_stored",)),
     "buckets": dict(bucket_numel=1 << 26),
     "chunkedloss": dict(loss_chunk_rows=1024),
     "copygrads": dict(copy_gradients=True),
     "recompute": dict(recompute_elementwise=True),
     "exactdiv": dict(inductor={"eager_numerics.division_rounding": True}),
     "multikernel": dict(inductor={"triton.multi_kernel": 1}),
-    "persistent": dict(persistent_rows=8192),
     # fp32 states rounded after every step through a format of state_candidates.py: its effect on training
     **{f"emulate_{name}": dict(state_bits=None, emulate_states=name) for name in STATE_CANDIDATES},
 }

@@ -15,18 +15,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-from flash_inductor import (
-    _compat,
-    fp8_all_gather,
-    fp8_delayed,
-    graph_utils,
-    inductor_choices,
-    inspection,
-    memory,
-    passes,
-    roles,
-    sharded,
-)
+from flash_inductor import _compat, fp8_all_gather, fp8_delayed, graph_utils, inspection, memory, passes, roles, sharded
 from flash_inductor.fp8_linear import refused_by_user
 from flash_inductor.options import Options
 from flash_inductor.pipeline import AtenPasses, PassContext, run_torch_passes, written_param_roles
@@ -238,10 +227,10 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
     # Inductor keeps the pass (in its config and cache key) as long as the compiled graph: without
     # the graph inputs' tensors, or it would keep the first call's gradients alive.
     post_grad = AtenPasses(aten_passes, dataclasses.replace(ctx, inputs={}), result.name, user_post_grad)
-    if post_grad.passes or result.rewritten or record is not None or ctx.options.persistent_rows is not None:
-        # Its uuid keys Inductor's FX graph cache by this package's sources and the options, so a graph
-        # is never taken from a cache entry that other numerics, other kernel choices (persistent_rows)
-        # or an Inductor workaround of ours (_compat) compiled. When inspecting, it records the post-grad graphs.
+    if post_grad.passes or result.rewritten or record is not None:
+        # Its uuid keys Inductor's FX graph cache by this package's sources, so a graph our passes
+        # rewrote is never taken from a cache entry that other numerics or an Inductor workaround
+        # of ours (_compat) compiled. When inspecting, it records the post-grad graphs.
         patches["post_grad_custom_post_pass"] = post_grad
     if record is not None:
         patches.update(inspection.uncached_config())
@@ -249,8 +238,7 @@ def _inductor(result: Rewritten, example_inputs, aten_passes):
     def inner_compile(aot_gm, aot_inputs, **kwargs):
         # Per subgraph, not around compile_fx: AOTAutograd lowers a backward at its first call.
         subgraph = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
-        with (warnings.catch_warnings(), _compat.cpp_codegen_workarounds(), inspection.compiling_subgraph(record, subgraph),
-              inductor_choices.persistent_rows(ctx.options.persistent_rows)):
+        with warnings.catch_warnings(), _compat.cpp_codegen_workarounds(), inspection.compiling_subgraph(record, subgraph):
             # Inductor's C++ backend notes every kernel that mixes bf16 weights with fp16 scales.
             warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
             return _compat.compile_without_cpp_vectorizer_on_its_known_error(

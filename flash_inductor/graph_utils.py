@@ -298,3 +298,30 @@ def readable_code(gm: fx.GraphModule, example_inputs):
     annotated = copy_graph_module(gm)
     propagate_fake(annotated, example_inputs, overwrite=True)
     return annotated.print_readable(print_output=False, include_device=True)
+
+
+def stored_view(graph: fx.Graph, src: fx.Node) -> fx.Node:
+    """``as_strided(src, its size, its strides)``, right after ``src``: Inductor's ``as_strided`` lowering
+    stores ``src`` (realizes it in place) and its readers read it through the view, which changes no
+    value. In a graph compiled for dynamic shapes, a symbolic size or stride is read off ``src`` by a
+    ``sym_size`` / ``sym_stride`` node."""
+    val = src.meta["val"]
+    with graph.inserting_before(src.next):  # in order, right after src
+        size = _dims(graph, src, val.shape, torch.ops.aten.sym_size.int)
+        stride = _dims(graph, src, val.stride(), torch.ops.aten.sym_stride.int)
+        view = graph.create_node("call_function", torch.ops.aten.as_strided.default, (src, size, stride),
+                                 name=f"{src.name}_stored")
+    view.meta["val"] = val.as_strided(val.shape, val.stride())
+    return view
+
+
+def _dims(graph, src, values, read_dim):
+    """``values`` (a size or strides of ``src``), each symbolic one as a node that reads it off ``src``."""
+    dims = []
+    for dim, value in enumerate(values):
+        if not isinstance(value, int):
+            node = graph.call_function(read_dim, (src, dim))
+            node.meta["val"] = value
+            value = node
+        dims.append(value)
+    return dims

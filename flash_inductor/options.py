@@ -80,10 +80,6 @@ class Options:
     step_kernel: "triton" runs the flat Adam/AdamW step of each eligible CUDA bucket (8-bit states,
         24-bit or no masters) as the hand-written kernel of ``flash_inductor/triton_adam.py``;
         "inductor" compiles the stock update for every bucket (the reference; always on the CPU).
-    persistent_rows: None (Inductor's choice), or reductions along rows of up to this many elements
-        written persistent on the GPU: each row in one block, read once, where Inductor loops over a
-        row longer than 1024 once to reduce it and again to use the result (a row-wise FP8 cast, a
-        norm). ``flash_inductor/inductor_choices.py``.
     """
 
     disable: tuple[str, ...] = ()
@@ -106,7 +102,6 @@ class Options:
     loss_chunk_rows: int = 0
     recompute_elementwise: bool = False
     step_kernel: str = "triton"
-    persistent_rows: int | None = None
 
     @classmethod
     def from_dict(cls, options):
@@ -155,8 +150,6 @@ class Options:
             loss_chunk_rows=_int(options, "loss_chunk_rows", "non-negative", 0, cls.loss_chunk_rows),
             recompute_elementwise=_flag(options, "recompute_elementwise"),
             step_kernel=_choice(options, "step_kernel", ("triton", "inductor"), cls.step_kernel),
-            persistent_rows=None if options.get("persistent_rows") is None else _int(
-                options, "persistent_rows", "positive", 1, 8192),
         )
 
     def min_gemm_size(self, device):

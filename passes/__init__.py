@@ -12,6 +12,7 @@ from .companded_states import companded_states_pass
 from .fp8_collectives import fp8_collectives_pass
 from .fp8_gradients import fp8_gradients_pass
 from .fp8_linear import fp8_linear_pass
+from .fp8_scales_stored import fp8_scales_stored_pass
 from .fp8_transpose_cse import fp8_transpose_cse_pass
 from .fp8_transpose_source import fp8_transpose_source_pass
 from .fp32_hyperparameters import fp32_hyperparameters_pass
@@ -45,6 +46,7 @@ TORCH_PASSES = (
 ATEN_PASSES = (
     GraphPass("fp8_transpose_cse", ATEN, fp8_transpose_cse_pass),
     GraphPass("fp8_transpose_source", ATEN, fp8_transpose_source_pass),
+    GraphPass("fp8_scales_stored", ATEN, fp8_scales_stored_pass),
 )
 ALL_PASSES = TORCH_PASSES + ATEN_PASSES
 

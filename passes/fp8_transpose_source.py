@@ -41,8 +41,6 @@ import torch.fx as fx
 
 from flash_inductor import fp8_transpose, graph_utils
 
-_AS_STRIDED = torch.ops.aten.as_strided.default
-
 
 def fp8_transpose_source_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]]:
     if ctx.options.fp8 is None:
@@ -55,7 +53,7 @@ def fp8_transpose_source_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]
     for old_call in calls:
         old_src = old_call.kwargs["kwargs"]["src"]
         if old_src not in stored:
-            stored[old_src] = _stored_view(new_graph, copy_of[old_src])
+            stored[old_src] = graph_utils.stored_view(new_graph, copy_of[old_src])
         call = copy_of[old_call]
         call.update_kwarg("kwargs", {**call.kwargs["kwargs"], "src": stored[old_src]})
     return new_graph, [src.name for src in stored]
@@ -63,28 +61,4 @@ def fp8_transpose_source_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]
 
 def _unstored(src):
     """Whether Inductor may still hold ``src`` unrealized: not a graph input, not read through a view already."""
-    return src.op != "placeholder" and src.target is not _AS_STRIDED
-
-
-def _stored_view(graph, src):
-    """``as_strided(src, its size, its strides)``, right after ``src``. In a graph compiled for dynamic
-    shapes, a symbolic size or stride is read off ``src`` by a ``sym_size`` / ``sym_stride`` node."""
-    val = src.meta["val"]
-    with graph.inserting_before(src.next):  # in order, right after src
-        size = _dims(graph, src, val.shape, torch.ops.aten.sym_size.int)
-        stride = _dims(graph, src, val.stride(), torch.ops.aten.sym_stride.int)
-        view = graph.create_node("call_function", _AS_STRIDED, (src, size, stride), name=f"{src.name}_stored")
-    view.meta["val"] = val.as_strided(val.shape, val.stride())
-    return view
-
-
-def _dims(graph, src, values, read_dim):
-    """``values`` (a size or strides of ``src``), each symbolic one as a node that reads it off ``src``."""
-    dims = []
-    for dim, value in enumerate(values):
-        if not isinstance(value, int):
-            node = graph.call_function(read_dim, (src, dim))
-            node.meta["val"] = value
-            value = node
-        dims.append(value)
-    return dims
+    return src.op != "placeholder" and src.target is not torch.ops.aten.as_strided.default

@@ -1,6 +1,5 @@
 """GPU (CUDA + Triton) checks: run on the H200 with ``pytest -m gpu tests``; skipped without CUDA."""
 
-import collections
 import copy
 import re
 import warnings
@@ -762,27 +761,22 @@ def test_rowwise_fp8_linear_compiled_for_cuda_matches_the_fp64_reference(fast_ac
                        reference_rows(gc.t()).abs() @ reference_rows(xd.t()).abs().t(), accumulation=tensor_cores)
 
 
-def _reductions_of_rows(codes, length):
-    """{Inductor's kind of reduction kernel: count} among ``codes``' kernels that reduce rows of ``length``."""
-    kinds = re.findall(r"@triton_heuristics\.(\w*reduction)\(\s*size_hints=\{[^}]*'r0_': (\d+)", "".join(codes))
-    return collections.Counter(kind for kind, rows in kinds if int(rows) == length)
-
-
-def test_persistent_rows_read_each_row_once_and_keep_the_bits():
-    """``persistent_rows``: the row-wise FP8 casts of rows of 2048 elements, over Inductor's threshold
-    (1024), become persistent reductions (each row read once instead of looped over twice), and the
-    forward and both gradients keep their bits: an amax is the same in any order, a cast is elementwise."""
+@pytest.mark.parametrize("fp8", ["tensorwise", "rowwise"])
+def test_stored_fp8_scales_keep_the_bits_and_leave_the_casts(fp8):
+    """passes/fp8_scales_stored.py on CUDA: a linear's output and both gradients keep their bits, and
+    fewer power-of-two scale formulas (each one shift of an amax's bits, `` >> ``) are left in the
+    Triton code: each is computed once, not in every kernel that casts by it."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
-    layer = nn.Linear(2048, 1536, bias=False).cuda().bfloat16()
-    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(256, 1536, device="cuda", dtype=torch.bfloat16)
-    runs = {}
-    for rows in (None, 8192):
+    layer = nn.Linear(1024, 768, bias=False).cuda().bfloat16()
+    x = (torch.randn(512, 1024, device="cuda") * torch.logspace(-3, 3, 1024, device="cuda")).bfloat16().requires_grad_()
+    g = torch.randn(512, 768, device="cuda").bfloat16()
+    runs, formulas = [], []
+    for disable in ((), ("fp8_scales_stored",)):
         torch._dynamo.reset()
-        compiled = flash_inductor.compile(layer, fp8="rowwise", persistent_rows=rows, **EVERY_LINEAR)
         x.grad = layer.weight.grad = None
+        compiled = flash_inductor.compile(layer, fp8=fp8, fp8_power_of_two_scales=True, disable=disable, **EVERY_LINEAR)
 
         def forward_backward():
             y = compiled(x)  # noqa: B023 (called in this iteration)
@@ -790,10 +784,10 @@ def test_persistent_rows_read_each_row_once_and_keep_the_bits():
             return y.detach()
 
         y, codes = run_and_get_code(forward_backward)
-        runs[rows] = dict(y=y, x_grad=x.grad.clone(), weight_grad=layer.weight.grad.clone()), _reductions_of_rows(codes, 2048)
-    assert runs[None][1]["reduction"] > 0 and runs[None][1]["persistent_reduction"] == 0, runs[None][1]
-    assert runs[8192][1]["reduction"] == 0 and runs[8192][1]["persistent_reduction"] > 0, runs[8192][1]
-    assert_same_bits(runs[None][0], runs[8192][0])
+        runs.append(dict(y=y, x_grad=x.grad.clone(), weight_grad=layer.weight.grad.clone()))
+        formulas.append("".join(codes).count(" >> "))
+    assert_same_bits(*runs)
+    assert formulas[0] < formulas[1], formulas
 
 
 @pytest.mark.parametrize("gradient_format", ["e5m2", "e4m3"])

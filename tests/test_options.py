@@ -178,8 +178,6 @@ def test_mode_reduce_overhead_is_the_cudagraphs_option(monkeypatch):
     ("step_kernel", "cuda", "'triton' or 'inductor'"),
     ("cudagraphs", "yes", "True or False"),
     ("recompute_elementwise", 1, "True or False"),
-    ("persistent_rows", 0, "positive int"),
-    ("persistent_rows", 2048.0, "positive int"),
 ])
 def test_a_bad_option_names_the_option_the_value_and_what_is_expected(name, value, expected):
     with pytest.raises(ValueError) as info:
