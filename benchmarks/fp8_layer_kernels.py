@@ -16,13 +16,14 @@ backend's aten passes, up to its generated code (``lowering_probe``: nothing is 
 Not the backend's whole pipeline (no Dynamo, no joint-graph passes), so the counts are of this
 layer as traced here. Written against torch 2.13::
 
-    python benchmarks/fp8_layer_kernels.py                        # tensorwise, row-wise, row-wise before, persistent
+    python benchmarks/fp8_layer_kernels.py   # every configuration (tensorwise, row-wise, before, persistent, ...)
     python benchmarks/fp8_layer_kernels.py --show rowwise-before  # that configuration's kernels
 """
 
 import argparse
 import contextlib
 import json
+import math
 import re
 import time
 
@@ -41,6 +42,10 @@ CONFIGURATIONS = {
     # the variant that triton.multi_kernel=1 compiles beside the looped one and picks at run time if faster
     "tensorwise-persistent": dict(rowwise=False, power_of_two=True),
     "rowwise-persistent": dict(rowwise=True),
+    # without the pass fp8_scales_stored: each cast kernel computes its scales again for every element
+    "rowwise-recomputed-scales": dict(rowwise=True),
+    # the weight gradient's GEMM with one scale per operand, from the row casts
+    "rowwise-tensorwise-dw": dict(rowwise=True, tensorwise_weight_gradient=True),
 }
 
 
@@ -133,7 +138,7 @@ def _partitioned_graphs(configuration):
     return graphs
 
 
-def _cuda_code(graph_module, fp8_option):
+def _cuda_code(graph_module, fp8_option, disable=()):
     """Inductor's code (sm_90) for ``graph_module`` (traced on the CPU) run on CUDA tensors."""
     import torch._inductor.graph as inductor_graph
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -152,7 +157,7 @@ def _cuda_code(graph_module, fp8_option):
             return super().call_function(target, args, kwargs)
 
     torch._inductor.config.post_grad_custom_post_pass = AtenPasses(
-        passes.ATEN_PASSES, PassContext({}, set(), Options(fp8=fp8_option)), "fp8_layer_kernels")
+        passes.ATEN_PASSES, PassContext({}, set(), Options(fp8=fp8_option, disable=disable)), "fp8_layer_kernels")
     codegen = inductor_graph.GraphLowering.codegen
 
     def stop_at_code(self):
@@ -224,7 +229,7 @@ def generated_code(configuration):
     for name, graph in graphs.items():
         start = time.perf_counter()
         with _persistent_as_multi_kernel(configuration):
-            code = _cuda_code(graph, fp8_option)
+            code = _cuda_code(graph, fp8_option, ("fp8_scales_stored",) if configuration.endswith("-recomputed-scales") else ())
         generated[name] = dict(code=code, graph_ops=sum(n.op == "call_function" for n in graph.graph.nodes),
                                lowering_s=round(time.perf_counter() - start, 1))
     return generated
@@ -240,7 +245,9 @@ def _reread_gb(decorator, body, sizes):
     """GB a looped reduction reads again: Inductor's ``kernel_num_gb`` counts each buffer once, but a kernel
     whose reduction result feeds later work loops over each row again (``for r0_offset``) and loads the
     same rows again. Counted: every load of a whole tensor (indexed by both a row and a reduced element)
-    after the first of its pointer, at the tensor's size. Broadcast vectors (cached) are not counted."""
+    after the first of its pointer, at the tensor's size. Broadcast vectors (cached) are not counted.
+    On an H100 these reads come from L2, not HBM: persistent reductions, which do not make them, did not
+    make the Llama's layers faster (docs/benchmarks.md, forty-first session)."""
     loops = body.split("for r0_offset in")[1:]
     if len(loops) < 2 or "xnumel" not in sizes or "r0_numel" not in sizes:
         return 0.0
@@ -269,7 +276,8 @@ def kernels(code):
         sizes = dict(re.findall(r"(\w+numel) = (\d+)", body))
         found.append(dict(name=name, kind=kind, sizes=sizes, gb=float(gb.group(1)) if gb else None,
                           reread_gb=_reread_gb(decorator, body, sizes), loops=body.count("for r0_offset in"),
-                          stores=len(stores), transposed_stores=len(transposed)))
+                          stores=len(stores), transposed_stores=len(transposed),
+                          elements=math.prod(int(n) for n in sizes.values()), scale_formulas=body.count(" >> ")))
     return found
 
 
@@ -289,7 +297,10 @@ def summary(code):
                 reread_gb=round(sum(k["reread_gb"] for k in found), 3),
                 transposes_gb=round(sum(2 * r * c for r, c in copies) / 1e9, 3),
                 reductions_storing_transposed=sum(k["transposed_stores"] > 0 for k in found),
-                transposed_stores=sum(k["transposed_stores"] for k in found))
+                transposed_stores=sum(k["transposed_stores"] for k in found),
+                # power-of-two scale formulas (one shift of an amax's bits each) in kernels of 1M elements or
+                # more: there a column's scale is computed for every element it scales (a row's once a row)
+                scale_formulas_in_large_kernels=sum(k["scale_formulas"] for k in found if k["elements"] >= 1 << 20))
 
 
 def main():

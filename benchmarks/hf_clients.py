@@ -41,6 +41,8 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
                         row-wise scaling casts it, at tensorwise's speed
     +rowwise            FP8 rows: row-wise scaling (fp8="rowwise"; every GEMM operand e4m3 with a power-of-two
                         scale per row, torchao's "rowwise" recipe)
+    +tensorwisedw       with +rowwise: the weight gradient's GEMM with one scale per operand, from the row-wise casts
+                        (fp8_tensorwise_weight_gradient=True): no pass over the tokens' columns
     +attn0bf16          FP8 rows: the first layer's attention projections kept in bf16 too (FIRST_ATTENTION)
     +regional           train_step's regional=True: the decoder layers compiled one by one, the rest eager
                         (with flashoptim_release: each layer's gradients applied and freed as its backward ends)
@@ -426,6 +428,7 @@ MODIFIERS = {
     "fastaccum": dict(fp8_fast_accum=True),
     "delayed": dict(fp8="delayed"),
     "rowwise": dict(fp8="rowwise"),
+    "tensorwisedw": dict(fp8_tensorwise_weight_gradient=True),
     "e4m3grads": dict(fp8_e4m3_gradients=True),
     "attn0bf16": dict(first_attention_bf16=True),  # the FP8 rows only
     "regional": dict(regional=True),

@@ -14,6 +14,12 @@ along the tokens for dw (saved as ``x.T`` cast by rows). The saved bytes are ten
 in e4m3); the forward casts twice as much. A transposed operand is cast by columns where its tensor
 is stored and then transposed by ``fp8_transpose`` (``_quantize_columns``).
 
+With ``tensorwise_weight_gradient`` the weight-gradient GEMM, which sums over the tokens, takes one
+power-of-two scale per operand instead (tensorwise scaling's precision for that GEMM): x's and dy's
+casts by rows rescaled to the smallest of their rows' scales, the one of their largest row, as
+``fp8_transpose`` transposes them (``_rows_as_one_scale_transposed``). Nothing passes over the
+tokens' columns then, and no tensor is cast from bf16 twice.
+
 Shapes: ``_scaled_mm`` wants the dims it sums over and its output's columns multiples of 16. The
 weight's dims are zero-padded to them where that adds at most 1% (``padded_shape``), and the tokens
 always, as they are the K of ``dw`` (the forward and ``dx`` GEMMs take the unpadded rows of the same
@@ -147,6 +153,17 @@ def _quantize_rows(t):
     """``(t in e4m3, row-major, cast by rows; the inverse scales (rows, 1))``."""
     scale = _row_scales(t)
     return fp8.cast_to_fp8(t, scale, fp8.E4M3).contiguous(), fp8.inverse_scale(scale)
+
+
+def _rows_as_one_scale_transposed(t_fp8, t_inv):
+    """``(the row casts t_fp8 with one scale for the whole tensor, transposed; its inverse scale (1, 1))``.
+
+    The scale is the smallest of the rows' (``t_inv`` holds their inverses): each row is multiplied by
+    its scale's ratio to it, an exact power of two of at most 1, so a value is rounded again only where
+    it moves into e4m3's subnormals, as a cast of the tensor with that scale would round it."""
+    inv = t_inv.amax(dim=0, keepdim=True)
+    ratio = t_inv * fp8.inverse_scale(inv)  # a power of two times one: exact
+    return transpose_fp8(fp8.cast_to_fp8(t_fp8, ratio, fp8.E4M3)), inv
 
 
 def _quantize_columns(t):
@@ -289,13 +306,15 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
     """Row-wise scaling (module docstring): each GEMM's operands cast by rows along the dimension it sums."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fast_accum):
+    def forward(ctx, x, weight, bias, fast_accum, tensorwise_weight_gradient):
         xp, m, n, pn, pk = _padded_input(ctx, x, weight, bias)
         wp = _pad_to(weight, pn, pk)
         x_fp8, x_inv = _quantize_rows(xp)
         w_fp8, w_inv = _quantize_rows(wp)
         # What the backward's GEMMs take: w summed over n (dx), x summed over the tokens (dw).
-        ctx.save_for_backward(*_quantize_columns(wp), *_quantize_columns(xp))
+        ctx.tensorwise_weight_gradient = tensorwise_weight_gradient
+        xt = _rows_as_one_scale_transposed(x_fp8, x_inv) if tensorwise_weight_gradient else _quantize_columns(xp)
+        ctx.save_for_backward(*_quantize_columns(wp), *xt)
         out = _scaled_mm(_first_rows(x_fp8, m), _first_rows(x_inv, m), w_fp8.t(), w_inv.t(), fast_accum)
         return _output(out, bias, n, pn, x, weight)
 
@@ -306,15 +325,18 @@ class Fp8RowwiseLinearFunction(torch.autograd.Function):
         g2 = _rows(grad_out.reshape(-1, grad_out.shape[-1]))
         gp = _pad_to(g2, xt_fp8.shape[1], wt_fp8.shape[1])
         g_fp8, g_inv = _quantize_rows(gp)
-        gt_fp8, gt_inv = _quantize_columns(gp)
+        if ctx.tensorwise_weight_gradient:
+            gt_fp8, gt_inv = _rows_as_one_scale_transposed(g_fp8, g_inv)
+        else:
+            gt_fp8, gt_inv = _quantize_columns(gp)
         m = g2.shape[0]
         grad_x = _scaled_mm(_first_rows(g_fp8, m), _first_rows(g_inv, m), wt_fp8.t(), wt_inv.t())
         grad_w = _scaled_mm(gt_fp8, gt_inv, xt_fp8.t(), xt_inv.t())
-        return *_gradients(ctx, grad_x, grad_w, g2), None
+        return *_gradients(ctx, grad_x, grad_w, g2), None, None
 
 
 def fp8_linear(x, weight, bias=None, *, rowwise=False, power_of_two=False, fast_accum=False, e4m3_gradients=False,
-               amax_history=None, scale=None, grad_amax_history=None, grad_scale=None):
+               tensorwise_weight_gradient=False, amax_history=None, scale=None, grad_amax_history=None, grad_scale=None):
     """``F.linear(x, weight, bias)`` with FP8 GEMMs in forward and backward.
 
     Current scaling by default. Delayed scaling with the layer's state (``fp8_delayed``):
@@ -324,11 +346,15 @@ def fp8_linear(x, weight, bias=None, *, rowwise=False, power_of_two=False, fast_
     tensor cores' fast (lower-precision) accumulation mode, as torchao's default output GEMM.
     ``e4m3_gradients``: the output gradient cast to e4m3 instead of e5m2 (row-wise's always is).
     ``rowwise``: row-wise scaling (current, power-of-two scales; not with delayed scaling's state).
+    ``tensorwise_weight_gradient``: with ``rowwise``, the weight gradient's GEMM takes one scale per
+    operand, from the row casts (module docstring).
     """
+    if tensorwise_weight_gradient and not rowwise:
+        raise ValueError("fp8_linear: tensorwise_weight_gradient is an option of rowwise scaling (rowwise=True)")
     if rowwise:
         if amax_history is not None:
             raise ValueError("fp8_linear: rowwise scaling is current scaling; it takes no delayed-scaling state")
-        out = Fp8RowwiseLinearFunction.apply(x, weight, bias, fast_accum)
+        out = Fp8RowwiseLinearFunction.apply(x, weight, bias, fast_accum, tensorwise_weight_gradient)
     else:
         out = Fp8LinearFunction.apply(x, weight, bias, power_of_two, fast_accum, amax_history, scale,
                                       grad_amax_history, grad_scale, e4m3_gradients)

@@ -48,6 +48,11 @@ class Options:
         row-wise scaling always does: half the output gradient's rounding error, at the same speed.
         A value under 2**-17.8 of the tensor's amax flushes to zero (e5m2: 2**-31.8). Off by default:
         the Llama's loss over 15 seeds came no closer to the baseline's than with e5m2 (docs/benchmarks.md).
+    fp8_tensorwise_weight_gradient: with ``fp8="rowwise"``, the weight-gradient GEMM (which sums over
+        the tokens) takes one power-of-two scale per operand, as tensorwise scaling does, made from the
+        row-wise casts of the input and the output gradient (``flash_inductor/fp8_linear.py``), instead
+        of a scale per column of each: no pass over the tokens' columns, nothing cast from bf16 twice.
+        The forward and input-gradient GEMMs stay row-wise.
     fp8_min_weight_numel: smallest weight (elements) worth an FP8 GEMM.
     fp8_min_gemm_size: smallest forward GEMM, tokens x in x out, worth FP8 GEMMs: below it the amax
         passes, casts and transposed copies cost more GPU time than the FP8 GEMMs save. None (the
@@ -91,6 +96,7 @@ class Options:
     fp8_power_of_two_scales: bool = False
     fp8_fast_accum: bool = False
     fp8_e4m3_gradients: bool = False
+    fp8_tensorwise_weight_gradient: bool = False
     fp8_min_weight_numel: int = 1 << 20
     fp8_min_gemm_size: int | None = None
     fp8_output_layer: bool = False
@@ -128,6 +134,9 @@ class Options:
                 + {"delayed": " (delayed scaling is not supported with fp8 all-gather)",
                    "rowwise": " (an all-gathered weight has one scale, a row-wise GEMM one per row)"}.get(fp8, "")
             )
+        fp8_tensorwise_weight_gradient = _flag(options, "fp8_tensorwise_weight_gradient")
+        if fp8_tensorwise_weight_gradient and fp8 != "rowwise":
+            raise ValueError(f"flashoptim: option 'fp8_tensorwise_weight_gradient' needs fp8='rowwise', got fp8={fp8!r}")
         return cls(
             disable=disable,
             inductor=tuple(sorted(inductor.items())),
@@ -138,6 +147,7 @@ class Options:
             fp8_power_of_two_scales=_flag(options, "fp8_power_of_two_scales"),
             fp8_fast_accum=_flag(options, "fp8_fast_accum"),
             fp8_e4m3_gradients=_flag(options, "fp8_e4m3_gradients"),
+            fp8_tensorwise_weight_gradient=fp8_tensorwise_weight_gradient,
             fp8_min_weight_numel=_int(options, "fp8_min_weight_numel", "non-negative", 0, cls.fp8_min_weight_numel),
             fp8_min_gemm_size=None if options.get("fp8_min_gemm_size") is None else _int(
                 options, "fp8_min_gemm_size", "non-negative", 0, FP8_MIN_GEMM_SIZE_CUDA),

@@ -63,7 +63,8 @@ unless ``fp8_output_layer``: a linear whose output reaches a loss (``cross_entro
 table (a head tied to the input embedding, whose loss may be in another graph). Every linear's
 decision is recorded for inspection. Option ``fp8_fast_accum`` adds ``fast_accum=True`` (the forward GEMM in
 the tensor cores' fast accumulation mode), ``fp8_e4m3_gradients`` adds ``e4m3_gradients=True`` (the
-output gradient cast to e4m3 instead of e5m2).
+output gradient cast to e4m3 instead of e5m2), ``fp8_tensorwise_weight_gradient`` adds
+``tensorwise_weight_gradient=True`` (row-wise scaling's weight gradient with one scale per operand).
 
 A linear inside an activation-checkpointed region (``torch.utils.checkpoint``, which Dynamo captures
 as a ``tag_activation_checkpoint`` whose body takes the region's weights as operands) is rewritten
@@ -539,6 +540,8 @@ def _decide_attention(arguments, weights, ctx):
 def _fp8_decision(ctx, weight, layout):
     fp8_decision = {"delayed": "fp8 e4m3/e5m2, delayed scaling", "rowwise": "fp8 e4m3, row-wise scales"}.get(
         ctx.options.fp8, "fp8 e4m3/e5m2")
+    if ctx.options.fp8_tensorwise_weight_gradient:
+        fp8_decision += " (the weight gradient's: one per operand)"
     return fp8_decision + _padding_note(weight, layout)
 
 
@@ -620,6 +623,8 @@ def _fp8_options(ctx):
         kwargs["fast_accum"] = True
     if ctx.options.fp8_e4m3_gradients and ctx.options.fp8 != "rowwise":  # row-wise's are e4m3 already
         kwargs["e4m3_gradients"] = True
+    if ctx.options.fp8_tensorwise_weight_gradient:
+        kwargs["tensorwise_weight_gradient"] = True
     return kwargs
 
 

@@ -3,7 +3,8 @@ forward and backward on an H200, read on the CPU. No reduction over rows (an RMS
 stores a tensor transposed, the slow kernels of flash_inductor/fp8_transpose.py: with tensorwise
 scales, and with row-wise scales since their transposed casts go through ``transpose_fp8``; the
 row-wise casts written as casts of ``t.t()`` (before) had such kernels. Looped reductions read rows
-again; persistent ones do not. It needs Triton and runs in a
+again; persistent ones do not. Stored scales (passes/fp8_scales_stored.py) leave the large
+kernels that cast. It needs Triton and runs in a
 process of its own (the probe answers CUDA queries as an H200 would)."""
 
 import importlib.util
@@ -39,3 +40,7 @@ def test_no_reduction_kernel_stores_an_fp8_tensor_transposed(tmp_path):
     # persistent reductions (as triton.multi_kernel compiles them) read each row once.
     assert total("rowwise", "reread_gb") > total("tensorwise", "reread_gb") > 0, results
     assert total("rowwise-persistent", "reread_gb") == total("tensorwise-persistent", "reread_gb") == 0, results
+    # passes/fp8_scales_stored.py: the scales are computed where their amaxes are reduced, and the large
+    # kernels that cast keep only row scales (one a row), where each computed its column scales per element
+    assert total("rowwise", "scale_formulas_in_large_kernels") < total("rowwise-recomputed-scales",
+                                                                       "scale_formulas_in_large_kernels"), results

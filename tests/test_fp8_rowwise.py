@@ -25,6 +25,18 @@ def reference_rows(t):
     return (t * scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() / scale
 
 
+def reference_rows_as_one_scale(t):
+    """``t`` (2-D) as ``tensorwise_weight_gradient`` gives it to the weight gradient, dequantized, in fp64:
+    cast by rows (``reference_rows``' e4m3 values), each row then multiplied by the smallest row
+    scale over its own and rounded to e4m3 again; divided back by that one scale."""
+    t = t.double()
+    amax = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    scale = torch.tensor([[2.0 ** math.floor(math.log2(448 / a))] for a in amax.flatten().tolist()], dtype=torch.float64)
+    rows = (t * scale).clamp(-448, 448).to(torch.float8_e4m3fn).double()
+    smallest = scale.min()
+    return (rows * (smallest / scale)).to(torch.float8_e4m3fn).double() / smallest
+
+
 def reference_gemm(a, b):
     """``a @ b`` of the recipe: ``a`` by rows and ``b`` by columns (the dimension summed), in fp64."""
     return reference_rows(a) @ reference_rows(b.t()).t()
@@ -40,17 +52,20 @@ def assert_within_bf16(actual, expected, magnitude, rounded=(), accumulation=2.0
     assert (error <= bound).all(), f"{(error / bound).max().item():.2f}x the bound"
 
 
+@pytest.mark.parametrize("tensorwise_weight_gradient", [False, True], ids=["dw-rowwise", "dw-one-scale"])
 @pytest.mark.parametrize("n, k, bias", [(96, 64, True), (1000, 64, False), (64, 1000, True)],
                          ids=["96x64-bias", "out-dim-1000-padded", "in-dim-1000-padded-bias"])
-def test_rowwise_gemms_match_the_fp64_reference_of_the_recipe(n, k, bias):
+def test_rowwise_gemms_match_the_fp64_reference_of_the_recipe(n, k, bias, tensorwise_weight_gradient):
     """Forward, input gradient and weight gradient of ``fp8_linear(rowwise=True)``: each GEMM's
     operands quantized by rows along the summed dimension (x and w along k; dy and w along n; dy and
-    x along the tokens), within bf16 rounding of the fp64 reference, padded dims included."""
+    x along the tokens), within bf16 rounding of the fp64 reference, padded dims included. With
+    ``tensorwise_weight_gradient`` the weight gradient's operands are dy's and x's row casts with one
+    scale each (``reference_rows_as_one_scale``); the rows span 10^4, so most of them are rescaled."""
     torch.manual_seed(0)
     x = (torch.randn(3, 16, k) * torch.logspace(-2, 2, 16)[:, None]).bfloat16().requires_grad_()  # rows of other magnitudes
     w = (torch.randn(n, k) * 0.05).bfloat16().requires_grad_()
     b = torch.randn(n).bfloat16().requires_grad_() if bias else None
-    y = fp8_linear(x, w, b, rowwise=True)
+    y = fp8_linear(x, w, b, rowwise=True, tensorwise_weight_gradient=tensorwise_weight_gradient)
     g = torch.randn(y.shape).bfloat16()
     y.backward(g)
 
@@ -64,7 +79,11 @@ def test_rowwise_gemms_match_the_fp64_reference_of_the_recipe(n, k, bias):
         assert_within_bf16(y.reshape(-1, n), product, magnitude)
     assert_within_bf16(x.grad.reshape(-1, k), reference_gemm(g2, w.detach()),
                        reference_rows(g2).abs() @ reference_rows(w.detach().t()).abs().t())
-    assert_within_bf16(w.grad, reference_gemm(g2.t(), x2), reference_rows(g2.t()).abs() @ reference_rows(x2.t()).abs().t())
+    if tensorwise_weight_gradient:
+        gt, xt = reference_rows_as_one_scale(g2).t(), reference_rows_as_one_scale(x2)
+        assert_within_bf16(w.grad, gt @ xt, gt.abs() @ xt.abs())
+    else:
+        assert_within_bf16(w.grad, reference_gemm(g2.t(), x2), reference_rows(g2.t()).abs() @ reference_rows(x2.t()).abs().t())
     if bias:
         torch.testing.assert_close(b.grad.double(), g2.double().sum(0), rtol=2.0**-8, atol=1e-6)
 
@@ -86,24 +105,32 @@ def test_rowwise_keeps_the_precision_of_rows_beside_an_outlier():
 def test_rowwise_is_current_scaling():
     with pytest.raises(ValueError, match="rowwise scaling is current scaling"):
         fp8_linear(torch.randn(4, 32), torch.randn(16, 32), rowwise=True, amax_history=torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="tensorwise_weight_gradient is an option of rowwise scaling"):
+        fp8_linear(torch.randn(4, 32), torch.randn(16, 32), tensorwise_weight_gradient=True)
 
 
-def test_the_option_rewrites_each_linear_with_rowwise_scales_and_says_so():
+@pytest.mark.parametrize("tensorwise_weight_gradient", [False, True])
+def test_the_option_rewrites_each_linear_with_rowwise_scales_and_says_so(tensorwise_weight_gradient):
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 20))
-    options = dict(EAGER, fp8="rowwise", fp8_min_weight_numel=0, fp8_fast_accum=True)
+    options = dict(EAGER, fp8="rowwise", fp8_min_weight_numel=0, fp8_fast_accum=True,
+                   fp8_tensorwise_weight_gradient=tensorwise_weight_gradient)
     report = flash_inductor.inspect(flash_inductor.compile(model, **options), torch.randn(4, 64))
+    one_scale = " (the weight gradient's: one per operand)" if tensorwise_weight_gradient else ""
     assert decisions_of(report) == {
-        "0.weight": "fp8 e4m3, row-wise scales",
+        "0.weight": "fp8 e4m3, row-wise scales" + one_scale,
         "2.weight": "bf16: weight 20x128: FP8 GEMMs need both dims to be multiples of 16 (padding would add over 1%)",
     }
     code = next(s.code for s in report.graph("model").stages if s.name == "fp8_linear")
     (call,) = [line for line in code.splitlines() if "fp8_linear_fp8_linear(" in line]
-    assert "rowwise = True, fast_accum = True)" in call and "power_of_two" not in call
+    expected = "rowwise = True, fast_accum = True" + (", tensorwise_weight_gradient = True)" if tensorwise_weight_gradient else ")")
+    assert expected in call and "power_of_two" not in call
 
 
 @pytest.mark.parametrize("options, message", [
     (dict(fp8="rowwise", fp8_all_gather=True), r"'fp8_all_gather' needs fp8='tensorwise', got fp8='rowwise' \(an all-gathered"),
     (dict(fp8="columnwise"), r"'fp8'.*'rowwise'"),
+    (dict(fp8="tensorwise", fp8_tensorwise_weight_gradient=True),
+     r"'fp8_tensorwise_weight_gradient' needs fp8='rowwise', got fp8='tensorwise'"),
 ])
 def test_rowwise_options_are_checked(options, message):
     with pytest.raises(ValueError, match=message):

@@ -722,12 +722,13 @@ def test_e4m3_gradients_compiled_for_cuda_gain_their_mantissa_bit(fp8):
     assert same_forward and dx_gain >= 3 and dw_gain >= 3, (dx_gain, dw_gain)
 
 
-@pytest.mark.parametrize("fast_accum", [False, True])
-def test_rowwise_fp8_linear_compiled_for_cuda_matches_the_fp64_reference(fast_accum):
+@pytest.mark.parametrize("fast_accum, tensorwise_weight_gradient", [(False, False), (True, False), (True, True)])
+def test_rowwise_fp8_linear_compiled_for_cuda_matches_the_fp64_reference(fast_accum, tensorwise_weight_gradient):
     """``fp8="rowwise"`` through Inductor on CUDA: three row-wise ``_scaled_mm`` a linear (forward,
     input and weight gradients), each within bf16 rounding of the recipe's fp64 reference
-    (tests/test_fp8_rowwise.py), give or take the tensor cores' summation error (below)."""
-    from test_fp8_rowwise import assert_within_bf16, reference_gemm, reference_rows
+    (tests/test_fp8_rowwise.py), give or take the tensor cores' summation error (below); with
+    ``fp8_tensorwise_weight_gradient`` the weight gradient's operands have one scale each."""
+    from test_fp8_rowwise import assert_within_bf16, reference_gemm, reference_rows, reference_rows_as_one_scale
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
@@ -735,7 +736,8 @@ def test_rowwise_fp8_linear_compiled_for_cuda_matches_the_fp64_reference(fast_ac
     x = (torch.randn(256, 512, device="cuda") * torch.logspace(-2, 2, 256, device="cuda")[:, None]).bfloat16()
     x.requires_grad_()
     g = torch.randn(256, 1024, device="cuda").bfloat16()
-    compiled = flash_inductor.compile(layer, fp8="rowwise", fp8_fast_accum=fast_accum, **EVERY_LINEAR)
+    compiled = flash_inductor.compile(layer, fp8="rowwise", fp8_fast_accum=fast_accum,
+                                      fp8_tensorwise_weight_gradient=tensorwise_weight_gradient, **EVERY_LINEAR)
     outputs = []
 
     def forward_backward():
@@ -757,8 +759,12 @@ def test_rowwise_fp8_linear_compiled_for_cuda_matches_the_fp64_reference(fast_ac
                        reference_rows(xd).abs() @ reference_rows(w).abs().t(), accumulation=tensor_cores)
     assert_within_bf16(x.grad.cpu(), reference_gemm(gc, w), reference_rows(gc).abs() @ reference_rows(w.t()).abs().t(),
                        accumulation=tensor_cores)
-    assert_within_bf16(layer.weight.grad.cpu(), reference_gemm(gc.t(), xd),
-                       reference_rows(gc.t()).abs() @ reference_rows(xd.t()).abs().t(), accumulation=tensor_cores)
+    if tensorwise_weight_gradient:
+        gt, xt = reference_rows_as_one_scale(gc).t(), reference_rows_as_one_scale(xd)
+        assert_within_bf16(layer.weight.grad.cpu(), gt @ xt, gt.abs() @ xt.abs(), accumulation=tensor_cores)
+    else:
+        assert_within_bf16(layer.weight.grad.cpu(), reference_gemm(gc.t(), xd),
+                           reference_rows(gc.t()).abs() @ reference_rows(xd.t()).abs().t(), accumulation=tensor_cores)
 
 
 @pytest.mark.parametrize("fp8", ["tensorwise", "rowwise"])
