@@ -18,7 +18,7 @@ With ``tensorwise_weight_gradient`` the weight-gradient GEMM, which sums over th
 power-of-two scale per operand instead (tensorwise scaling's precision for that GEMM): x's and dy's
 casts by rows rescaled to the smallest of their rows' scales, the one of their largest row, as
 ``fp8_transpose`` transposes them (``_rows_as_one_scale_transposed``). Nothing passes over the
-tokens' columns then, and no tensor is cast from bf16 twice.
+tokens' columns then, and no activation or gradient is cast from bf16 twice.
 
 Shapes: ``_scaled_mm`` wants the dims it sums over and its output's columns multiples of 16. The
 weight's dims are zero-padded to them where that adds at most 1% (``padded_shape``), and the tokens

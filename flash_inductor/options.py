@@ -51,7 +51,8 @@ class Options:
     fp8_tensorwise_weight_gradient: with ``fp8="rowwise"``, the weight-gradient GEMM (which sums over
         the tokens) takes one power-of-two scale per operand, as tensorwise scaling does, made from the
         row-wise casts of the input and the output gradient (``flash_inductor/fp8_linear.py``), instead
-        of a scale per column of each: no pass over the tokens' columns, nothing cast from bf16 twice.
+        of a scale per column of each: no pass over the tokens' columns, no activation or gradient cast
+        from bf16 twice.
         The forward and input-gradient GEMMs stay row-wise.
     fp8_min_weight_numel: smallest weight (elements) worth an FP8 GEMM.
     fp8_min_gemm_size: smallest forward GEMM, tokens x in x out, worth FP8 GEMMs: below it the amax

@@ -39,9 +39,9 @@ class TestFp8ScalesStored(expecttest.TestCase):
             return add(prims.convert_element_type.default, add(aten.clamp_max.default, add(
                 aten.clamp_min.default, add(aten.mul.Tensor, x, scale), -448.0), 448.0), dtype)
 
-        x, delayed = graph.placeholder("x"), graph.placeholder("delayed_scale")
+        x, delayed, y = graph.placeholder("x"), graph.placeholder("delayed_scale"), graph.placeholder("y")
         with fake:
-            x.meta["val"], delayed.meta["val"] = torch.empty(64, 32), torch.empty(())
+            x.meta["val"], delayed.meta["val"], y.meta["val"] = torch.empty(64, 32), torch.empty(()), torch.empty(65, 32)
         column_scale = add(aten.reciprocal.default, add(aten.amax.default, add(aten.abs.default, x), [0], True))
         by_columns = cast(x, add(aten.permute.default, add(aten.permute.default, column_scale, [1, 0]), [1, 0]))
         tensor_scale = add(aten.reciprocal.default, add(aten.amax.default, add(aten.abs.default, x)))
@@ -50,12 +50,14 @@ class TestFp8ScalesStored(expecttest.TestCase):
         by_delayed = cast(x, delayed)  # a graph input: stored already
         not_a_cast = add(aten.mul.Tensor, x, column_scale)  # reads the stored scale, is left as it is
         same_size = cast(x, add(aten.abs.default, x))  # no scale broadcast: left alone
-        graph.output((by_columns, by_tensor, inverse, by_delayed, not_a_cast, same_size))
+        row_scale = add(aten.reciprocal.default, add(aten.amax.default, add(aten.abs.default, y), [1], True))
+        by_slice = cast(x, add(aten.slice.Tensor, row_scale, 0, 1, 65))  # read at an offset: left alone
+        graph.output((by_columns, by_tensor, inverse, by_delayed, not_a_cast, same_size, by_slice))
 
         new_graph, stored = fp8_scales_stored_pass(graph, CONTEXT)
         self.assertEqual(stored, ["reciprocal_default", "reciprocal_default_1"])
         self.assertExpectedInline(_code(new_graph), """\
-def forward(self, x, delayed_scale):
+def forward(self, x, delayed_scale, y):
 abs_default = torch.ops.aten.abs.default(x)
 amax_default = torch.ops.aten.amax.default(abs_default, [0], True);  abs_default = None
 reciprocal_default = torch.ops.aten.reciprocal.default(amax_default);  amax_default = None
@@ -81,11 +83,19 @@ clamp_max_default_2 = torch.ops.aten.clamp_max.default(clamp_min_default_2, 448.
 convert_element_type_default_2 = torch.ops.prims.convert_element_type.default(clamp_max_default_2, torch.float8_e4m3fn);  clamp_max_default_2 = None
 mul_tensor_3 = torch.ops.aten.mul.Tensor(x, reciprocal_default_stored);  reciprocal_default_stored = None
 abs_default_2 = torch.ops.aten.abs.default(x)
-mul_tensor_4 = torch.ops.aten.mul.Tensor(x, abs_default_2);  x = abs_default_2 = None
+mul_tensor_4 = torch.ops.aten.mul.Tensor(x, abs_default_2);  abs_default_2 = None
 clamp_min_default_3 = torch.ops.aten.clamp_min.default(mul_tensor_4, -448.0);  mul_tensor_4 = None
 clamp_max_default_3 = torch.ops.aten.clamp_max.default(clamp_min_default_3, 448.0);  clamp_min_default_3 = None
 convert_element_type_default_3 = torch.ops.prims.convert_element_type.default(clamp_max_default_3, torch.float8_e4m3fn);  clamp_max_default_3 = None
-return (convert_element_type_default, convert_element_type_default_1, reciprocal_default_2, convert_element_type_default_2, mul_tensor_3, convert_element_type_default_3)""")  # noqa: E501
+abs_default_3 = torch.ops.aten.abs.default(y);  y = None
+amax_default_2 = torch.ops.aten.amax.default(abs_default_3, [1], True);  abs_default_3 = None
+reciprocal_default_3 = torch.ops.aten.reciprocal.default(amax_default_2);  amax_default_2 = None
+slice_tensor = torch.ops.aten.slice.Tensor(reciprocal_default_3, 0, 1, 65);  reciprocal_default_3 = None
+mul_tensor_5 = torch.ops.aten.mul.Tensor(x, slice_tensor);  x = slice_tensor = None
+clamp_min_default_4 = torch.ops.aten.clamp_min.default(mul_tensor_5, -448.0);  mul_tensor_5 = None
+clamp_max_default_4 = torch.ops.aten.clamp_max.default(clamp_min_default_4, 448.0);  clamp_min_default_4 = None
+convert_element_type_default_4 = torch.ops.prims.convert_element_type.default(clamp_max_default_4, torch.float8_e4m3fn);  clamp_max_default_4 = None
+return (convert_element_type_default, convert_element_type_default_1, reciprocal_default_2, convert_element_type_default_2, mul_tensor_3, convert_element_type_default_3, convert_element_type_default_4)""")  # noqa: E501
         new_graph.lint()
         again, none = fp8_scales_stored_pass(new_graph, CONTEXT)  # every scale stored now
         self.assertIs(again, new_graph)

@@ -178,6 +178,7 @@ def test_mode_reduce_overhead_is_the_cudagraphs_option(monkeypatch):
     ("step_kernel", "cuda", "'triton' or 'inductor'"),
     ("cudagraphs", "yes", "True or False"),
     ("recompute_elementwise", 1, "True or False"),
+    ("fp8_tensorwise_weight_gradient", 1, "True or False"),
 ])
 def test_a_bad_option_names_the_option_the_value_and_what_is_expected(name, value, expected):
     with pytest.raises(ValueError) as info:
