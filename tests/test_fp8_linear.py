@@ -347,11 +347,11 @@ def test_autocast_output_dtype_and_accuracy():
 
 
 @functools.cache  # losses shared by the tests of this module
-def _train(fp8_option, steps, gradient_format=None):
+def _train(fp8_option, steps, gradient_format=None, **fp8_options):
     torch.manual_seed(0)
     model = TinyGPT(dim=128, layers=2, seq=32)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    options = {"fp8": fp8_option, "fp8_min_weight_numel": 0, "fp8_exclude": ["head"]} if fp8_option else {}
+    options = {"fp8": fp8_option, "fp8_min_weight_numel": 0, "fp8_exclude": ["head"], **fp8_options} if fp8_option else {}
     options["gradient_format"] = gradient_format
 
     step = lm_train_step(model, opt, **options)
@@ -374,10 +374,12 @@ def test_small_transformer_trains_with_fp8_and_the_optimizer_rewrite():
     assert abs(final_fp8 - final_bf16) <= 0.02 * final_bf16, (final_fp8, final_bf16)
 
 
-def test_small_transformer_trains_with_rowwise_fp8():
-    """``fp8="rowwise"`` (every GEMM operand e4m3 by rows, Inductor's kernels): 200 steps within 2%
-    of the same without FP8, as tensorwise scaling."""
-    rowwise_losses = _train("rowwise", 200)
+@pytest.mark.parametrize("tensorwise_weight_gradient", [False, True])
+def test_small_transformer_trains_with_rowwise_fp8(tensorwise_weight_gradient):
+    """``fp8="rowwise"`` (every GEMM operand e4m3 by rows, Inductor's kernels), also with the weight
+    gradient's operands one scale each (``fp8_tensorwise_weight_gradient``): 200 steps within 2% of the
+    same without FP8, as tensorwise scaling."""
+    rowwise_losses = _train("rowwise", 200, fp8_tensorwise_weight_gradient=tensorwise_weight_gradient)
     bf16_losses = _train(None, 200)
     final_rowwise, final_bf16 = sum(rowwise_losses[-10:]) / 10, sum(bf16_losses[-10:]) / 10
     assert abs(final_rowwise - final_bf16) <= 0.02 * final_bf16, (final_rowwise, final_bf16)
