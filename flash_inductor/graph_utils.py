@@ -300,6 +300,14 @@ def readable_code(gm: fx.GraphModule, example_inputs):
     return annotated.print_readable(print_output=False, include_device=True)
 
 
+def may_store(node: fx.Node) -> bool:
+    """Whether ``stored_view`` may store ``node``: a value the graph computes (not an input), not read
+    through ``as_strided`` already, and not a view: ``as_strided`` addresses its input's base from
+    offset 0, so a view at an offset (a slice) would be read at the wrong elements."""
+    return (node.op == "call_function" and node.target is not torch.ops.aten.as_strided.default
+            and not node.meta["val"]._is_view())
+
+
 def stored_view(graph: fx.Graph, src: fx.Node) -> fx.Node:
     """``as_strided(src, its size, its strides)``, right after ``src``: Inductor's ``as_strided`` lowering
     stores ``src`` (realizes it in place) and its readers read it through the view, which changes no

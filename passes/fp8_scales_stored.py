@@ -34,7 +34,7 @@ After::
 
 Every reader of the scale (the cast, the inverse scale ``_scaled_mm`` takes) reads the stored one.
 A scale that is a graph input (delayed scaling's, stored already) is left alone, and so is one
-read through a view other than those above (a slice): ``as_strided`` addresses its input's base.
+read through a view other than those above (a slice): ``graph_utils.may_store``.
 """
 
 import torch
@@ -81,6 +81,4 @@ def _cast_scale(node):
         return None
     while scale.target in _VIEWS:
         scale = scale.args[0]
-    if scale.op != "call_function" or scale.target is aten.as_strided.default or scale.meta["val"]._is_view():
-        return None
-    return scale
+    return scale if graph_utils.may_store(scale) else None

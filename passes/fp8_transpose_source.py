@@ -31,12 +31,12 @@ After::
     wrapper = triton_kernel_wrapper_functional(kernel_idx=K, ..., kwargs={'src': g_fp8_stored, 'dst': empty}, ...)
     mm = torch.ops.aten._scaled_mm.default(g_fp8, w_t, ...)
 
-A source that is a graph input (stored already) is left alone, and so are other Triton kernels. In
+A source that is a graph input (stored already) or a view (``graph_utils.may_store``) is left
+alone, and so are other Triton kernels. In
 a graph compiled for dynamic shapes, a symbolic size or stride of the view is read off the source
 (``sym_size`` / ``sym_stride``).
 """
 
-import torch
 import torch.fx as fx
 
 from flash_inductor import fp8_transpose, graph_utils
@@ -45,7 +45,7 @@ from flash_inductor import fp8_transpose, graph_utils
 def fp8_transpose_source_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]]:
     if ctx.options.fp8 is None:
         return graph, []
-    calls = [c for c in fp8_transpose.transpose_calls(graph) if _unstored(c.kwargs["kwargs"]["src"])]
+    calls = [c for c in fp8_transpose.transpose_calls(graph) if graph_utils.may_store(c.kwargs["kwargs"]["src"])]
     if not calls:
         return graph, []
     new_graph, copy_of = graph_utils.copy_graph(graph)
@@ -57,8 +57,3 @@ def fp8_transpose_source_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]
         call = copy_of[old_call]
         call.update_kwarg("kwargs", {**call.kwargs["kwargs"], "src": stored[old_src]})
     return new_graph, [src.name for src in stored]
-
-
-def _unstored(src):
-    """Whether Inductor may still hold ``src`` unrealized: not a graph input, not read through a view already."""
-    return src.op != "placeholder" and src.target is not torch.ops.aten.as_strided.default
