@@ -11,7 +11,8 @@ Rows: ``stock`` (fp32 parameters, torch's AdamW, fused on CUDA, with bf16 autoca
 8-bit states) and ``flashoptim_fp8`` (the same with ``fp8="tensorwise"``; every eligible linear at
 ``--size tiny``). Run when named: ``flashoptim_fp8+every`` (every eligible linear, whatever its size),
 ``flashoptim+cudagraphs`` and ``flashoptim_fp8+cudagraphs`` (``cudagraphs=True``), ``flashoptim+recompute``
-and ``flashoptim_fp8+recompute`` (``recompute_elementwise=True``), ``flashoptim_fp8+rowwise`` (``fp8="rowwise"``).
+and ``flashoptim_fp8+recompute`` (``recompute_elementwise=True``), ``flashoptim_fp8+rowwise`` (``fp8="rowwise"``),
+``flashoptim_fp8+rowwise+tensorwisedw`` (also ``fp8_tensorwise_weight_gradient=True``).
 Every row trains on
 one fixed batch (random tokens; fp32 random images, mel features or waveforms for the vision and audio models;
 the loss falls as the model memorizes it), dropout off, so the rows' losses are comparable step by
@@ -417,7 +418,7 @@ QWEN_VL_MODELS = {"qwen2_5_vl"}  # an image's flattened patches and its grid; it
 # Modules that call ops without a bf16 kernel, kept fp32 (prepare's keep_fp32): FNet's torch.fft.fftn
 KEEP_FP32 = {"fnet": ["*.fourier.self"]}
 ROWS = ("stock", "flashoptim", "flashoptim_fp8", "flashoptim_fp8+every", "flashoptim+cudagraphs", "flashoptim_fp8+cudagraphs",
-        "flashoptim+recompute", "flashoptim_fp8+recompute", "flashoptim_fp8+rowwise")
+        "flashoptim+recompute", "flashoptim_fp8+recompute", "flashoptim_fp8+rowwise", "flashoptim_fp8+rowwise+tensorwisedw")
 DEFAULT_ROWS = ROWS[:3]
 # A train step's own graph breaks: at loss.backward(), and where the prepared optimizer's step runs.
 OWN_BREAKS = ("Tensor.backward()", "torch.compiler.disable()")
@@ -506,6 +507,8 @@ def make_step(row, model, args, keep_fp32=()):
         options["recompute_elementwise"] = True
     if "rowwise" in flags:
         options["fp8"] = "rowwise"
+    if "tensorwisedw" in flags:
+        options["fp8_tensorwise_weight_gradient"] = True
     if args.compiler == "eager":
         options["compiler"] = "eager"
     return flash_inductor.train_step(step, model=model, optimizer=opt, **options), opt
