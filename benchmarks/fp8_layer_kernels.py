@@ -26,6 +26,7 @@ import json
 import math
 import re
 import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,12 +55,14 @@ class _GeneratedCode(Exception):
 
 
 @torch.library.custom_op("fp8_layer_kernels::transpose", mutates_args=())
-def _transpose_placeholder(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous()
+def _transpose_placeholder(t: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    from flash_inductor import fp8_transpose
+
+    return fp8_transpose.transpose_fp8(t, row_scale)  # (the CPU's copy)
 
 
 @_transpose_placeholder.register_fake
-def _(t):
+def _(t, row_scale=None):
     return t.new_empty(t.shape[1], t.shape[0])
 
 
@@ -283,7 +286,8 @@ def kernels(code):
 
 def transposes(code):
     """[(rows, cols)] of each ``transpose_fp8`` launch in ``code``."""
-    return [(int(r), int(c)) for r, c in re.findall(r"\btranspose_kernel_\d+\.run\(\w+, \w+, (\d+), (\d+),", code)]
+    # run(src, row_scale (a buffer, or -1 for None), dst, rows, cols, ...)
+    return [(int(r), int(c)) for r, c in re.findall(r"\btranspose_kernel_\d+\.run\(\w+, [\w-]+, \w+, (\d+), (\d+),", code)]
 
 
 def summary(code):

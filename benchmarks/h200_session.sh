@@ -59,7 +59,7 @@
 #   fp8drift   issue 14: the FP8 GPU tests, and fp8_gradient_check.py's gradients against fp32 after 50, 150 and 300
 #              baseline steps of the Llama (bf16, FP8 tensorwise with and without fast accumulation, row-wise)
 #   fp8seeds   issue 14: the FP8 GPU tests (the e4m3 output gradient's among them) in the background, beside
-#              hfllamaseeds' runs of RUNS (log named by the card)
+#              hfllamaseeds' runs of RUNS (log named by the card; SUFFIX names a rerun's)
 #   hfllamacausal issue 14: the speed of the Llama's baseline and FP8 rows (60 steps, profiled) with SDPA's
 #              is_causal (flash attention) in place of the explicit causal mask that transformers passes
 #              under torch.compile before torch 2.14
@@ -137,7 +137,8 @@
 #              reserved footprint of CUDA graphs), recompute (the Llama, is_causal, 40 steps: flashoptim and FP8 +
 #              fast accumulation + cudagraphs, each with and without recompute_elementwise: peak memory, speed)
 #   rowwise    issue 14: FP8 with row-wise scales (fp8="rowwise", torchao's "rowwise" recipe), by PART: tests (its GPU
-#              tests against the fp64 reference, CUDA graphs' steps with kept gradients and two backward passes a step,
+#              tests against the fp64 reference, the row-scaled transposes of tests/test_fp8_transpose.py, CUDA graphs'
+#              steps with kept gradients and two backward passes a step,
 #              nn.TransformerEncoderLayer's attention projections as FP8 GEMMs; TESTS a -k selection),
 #              linears (forward + backward of the Llama's linears: bf16, ours tensorwise and row-wise, torchao's two
 #              recipes), speed (the Llama, is_causal, 40 steps: the baseline against FP8 + fast accumulation + cudagraphs,
@@ -617,8 +618,8 @@ case $stage in
   rowwise)
     case ${PART:-tests} in
       tests)
-        timeout 300 python -m pytest -v -m gpu tests/test_gpu.py \
-          -k "${TESTS:-rowwise or cudagraphs_train_step or kept_zero or transposes_in_its_own_kernel or every_token_count or attention_projections}" 2>&1 \
+        timeout 300 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8_transpose.py \
+          -k "${TESTS:-rowwise or row_scaled or cudagraphs_train_step or kept_zero or transposes_in_its_own_kernel or every_token_count or attention_projections}" 2>&1 \
           | grep -v "^DEBUG" > "$out/gpu_tests_rowwise${SUFFIX:-}_$card.log"
         tail -4 "$out/gpu_tests_rowwise${SUFFIX:-}_$card.log" ;;
       linears)
@@ -666,10 +667,10 @@ case $stage in
     ;;
   fp8seeds)
     timeout 250 python -m pytest -v -m gpu tests/test_gpu.py -k "e4m3 or fp8 or rowwise or transpose" 2>&1 \
-      | grep -v "^DEBUG" > "$out/gpu_tests_fp8seeds_$card.log" &
+      | grep -v "^DEBUG" > "$out/gpu_tests_fp8seeds${SUFFIX:-}_$card.log" &
     bash "$0" hfllamaseeds "$out"
     wait
-    tail -3 "$out/gpu_tests_fp8seeds_$card.log"
+    tail -3 "$out/gpu_tests_fp8seeds${SUFFIX:-}_$card.log"
     ;;
   fp8drift)
     # the GPU tests of the FP8 pass (among them the transposed operands and rank-3 einsums of the thirty-sixth

@@ -163,7 +163,8 @@ def _rows_as_one_scale_transposed(t_fp8, t_inv):
     it moves into e4m3's subnormals, as a cast of the tensor with that scale would round it."""
     inv = t_inv.amax(dim=0, keepdim=True)
     ratio = t_inv * fp8.inverse_scale(inv)  # a power of two times one: exact
-    return transpose_fp8(fp8.cast_to_fp8(t_fp8, ratio, fp8.E4M3)), inv
+    # rescaled as transposed: one pass over the cast, not a rescaled copy and then its transpose
+    return transpose_fp8(t_fp8, ratio), inv
 
 
 def _quantize_columns(t):

@@ -10,6 +10,12 @@ first run of 2026-12-02), where the same RMSNorm backward without the copy took 
 scaling's casts by columns are transposed here too (``fp8_linear._quantize_columns``;
 ``benchmarks/fp8_layer_kernels.py`` lists the kernels Inductor writes either way).
 
+With row scales, the copy also rescales each row and casts it back to FP8 on the way: row-wise
+scaling's hybrid (``fp8_linear``, ``tensorwise_weight_gradient``) brings the rows of a row-wise cast
+to one scale for the weight gradient's GEMM. Done by a kernel of Inductor's before the copy, that
+was one more read and write of every such tensor (in the offline count of
+``benchmarks/fp8_layer_kernels.py``, 0.19 GB of a Llama layer's backward).
+
 ``transpose_fp8`` is a ``torch.library.triton_op``: Inductor launches its Triton kernel as written
 and fuses nothing into it, so ``t`` is stored row by row where it is produced, and the copy moves
 square tiles (Triton stages each tile through shared memory, so reads and writes are both whole
@@ -24,10 +30,12 @@ docs/benchmarks.md, twenty-second session).
 """
 
 import functools
+from typing import Optional
 
 import torch
 
 from flash_inductor import _compat
+from flash_inductor.formats import fp8
 
 BLOCK = 64  # a BLOCK x BLOCK tile per program: 4 KiB of 1-byte elements
 
@@ -38,11 +46,16 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def transpose_kernel(src, dst, rows, cols, BLOCK: tl.constexpr):
+    def transpose_kernel(src, row_scale, dst, rows, cols, BLOCK: tl.constexpr):
         r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         c = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         inside = (r[:, None] < rows) & (c[None, :] < cols)
         tile = tl.load(src + r[:, None] * cols + c[None, :], mask=inside)
+        if row_scale is not None:  # (a constexpr None compiles the plain copy)
+            scale = tl.load(row_scale + r, mask=r < rows)
+            # the product is exact (a power of two); sm_90 rounds it as torch's cast does:
+            # cvt.rn.satfinite, to nearest even (tests/test_fp8_transpose.py reads the PTX)
+            tile = (tile.to(tl.float32) * scale[:, None]).to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(dst + c[None, :] * rows + r[:, None], tile, mask=inside)
 
     return transpose_kernel
@@ -60,17 +73,35 @@ def transpose_calls(graph):
     return [n for n in calls if kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) is kernel]
 
 
-def transpose_fp8(t: torch.Tensor) -> torch.Tensor:
-    """``t.t().contiguous()`` for a 2-D ``t`` (any dtype; meant for FP8), as a kernel of its own on CUDA."""
+def transpose_fp8(t: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``t.t().contiguous()`` for a 2-D ``t`` (any dtype; meant for FP8), as a kernel of its own on CUDA.
+
+    With ``row_scale`` (fp32, one per row of ``t``; ``t`` FP8) each row is multiplied by its scale
+    and cast back to ``t``'s dtype on the way: ``formats.fp8.cast_to_fp8(t, row_scale[:, None],
+    t.dtype)`` transposed, in one pass over ``t``. Meant for powers of two of at most one (the products
+    are then exact and never saturate), as ``fp8_linear`` rescales rows to one scale."""
+    if row_scale is not None:
+        _check_row_scale(t, row_scale)
     if t.device.type != "cuda" or not _compat.HAS_TRITON:
+        if row_scale is not None:
+            t = fp8.cast_to_fp8(t, row_scale.reshape(-1, 1), t.dtype)
         # a copy also of a ``t`` laid out by columns: a custom op's output may not alias its input
         return t.t().clone(memory_format=torch.contiguous_format)
     t = t.contiguous()
     rows, cols = t.shape
     out = torch.empty((cols, rows), dtype=t.dtype, device=t.device)
     grid = (-(-rows // BLOCK), -(-cols // BLOCK))
-    torch.library.wrap_triton(_kernel())[grid](t, out, rows, cols, BLOCK=BLOCK)
+    scale = None if row_scale is None else row_scale.reshape(-1).contiguous()
+    torch.library.wrap_triton(_kernel())[grid](t, scale, out, rows, cols, BLOCK=BLOCK)
     return out
+
+
+def _check_row_scale(t, row_scale):
+    if t.dtype not in (fp8.E4M3, fp8.E5M2):
+        raise ValueError(f"transpose_fp8: row_scale rescales FP8 rows, but t is {t.dtype}")
+    if row_scale.dtype != torch.float32 or row_scale.numel() != t.shape[0]:
+        raise ValueError(f"transpose_fp8: row_scale must be fp32 with one value per row of t ({t.shape[0]}), "
+                         f"got {row_scale.dtype} of shape {tuple(row_scale.shape)}")
 
 
 if _compat.HAS_TRITON:  # (without Triton, registering it logs a warning at import)

@@ -4,7 +4,7 @@ stores a tensor transposed, the slow kernels of flash_inductor/fp8_transpose.py:
 scales, and with row-wise scales since their transposed casts go through ``transpose_fp8``; the
 row-wise casts written as casts of ``t.t()`` (before) had such kernels. Looped reductions read rows
 again; persistent ones do not. Stored scales (passes/fp8_scales_stored.py) leave the large
-kernels that cast. It needs Triton and runs in a
+kernels that cast; the row-wise hybrid's rescaled casts are transposed without a pass of their own. It needs Triton and runs in a
 process of its own (the probe answers CUDA queries as an H200 would)."""
 
 import importlib.util
@@ -48,3 +48,6 @@ def test_no_reduction_kernel_stores_an_fp8_tensor_transposed(tmp_path):
     # has no casts by columns of the tokens: fewer kernels, and fewer rows read again
     hybrid, rowwise = results["rowwise-tensorwise-dw"]["backward"], results["rowwise"]["backward"]
     assert hybrid["triton_kernels"] < rowwise["triton_kernels"] and hybrid["reread_gb"] < rowwise["reread_gb"], results
+    # and the casts are rescaled to one scale as transpose_fp8 copies them, not by kernels of their own: the
+    # hybrid's backward moves no more bytes than tensorwise's (the same, with these shapes)
+    assert hybrid["inductor_kernels_gb"] <= results["tensorwise"]["backward"]["inductor_kernels_gb"], results
