@@ -14,10 +14,19 @@ fake CUDA tensors; ``_scaled_mm`` is the op itself and ``transpose_fp8`` a place
 tracing. Each graph is then moved to fake CUDA tensors and lowered by Inductor for sm_90 with the
 backend's aten passes, up to its generated code (``lowering_probe``: nothing is compiled or run).
 Not the backend's whole pipeline (no Dynamo, no joint-graph passes), so the counts are of this
-layer as traced here. Written against torch 2.13::
+layer as traced here.
+
+``--trace backend`` takes the graphs from the backend itself instead: Hugging Face's
+``LlamaForCausalLM`` cut to one layer (the same shapes; from its input embeddings, as the
+embedding's backward decomposes to an op a CPU build cannot trace on fake CUDA tensors; with its
+lm_head and loss) compiled by ``flash_inductor.compile`` with the configuration's options, Dynamo,
+the joint-graph passes and the partitioner included; the forward and backward graphs the backend
+hands Inductor are lowered as above. Its kernels are those the H100's profiles name (the
+forty-second session compared the MLP's backward). Needs ``transformers``. Written against torch 2.13::
 
     python benchmarks/fp8_layer_kernels.py   # every configuration (tensorwise, row-wise, before, persistent, ...)
     python benchmarks/fp8_layer_kernels.py --show rowwise-before  # that configuration's kernels
+    python benchmarks/fp8_layer_kernels.py --trace backend --configurations tensorwise rowwise rowwise-tensorwise-dw
 """
 
 import argparse
@@ -47,6 +56,8 @@ CONFIGURATIONS = {
     "rowwise-recomputed-scales": dict(rowwise=True),
     # the weight gradient's GEMM with one scale per operand, from the row casts
     "rowwise-tensorwise-dw": dict(rowwise=True, tensorwise_weight_gradient=True),
+    # the same with the rows' rescale a cast of its own before their transpose (before the forty-second session)
+    "rowwise-tensorwise-dw-before": dict(rowwise=True, tensorwise_weight_gradient=True),
 }
 
 
@@ -69,19 +80,27 @@ def _(t, row_scale=None):
 @contextlib.contextmanager
 def _fp8_linear_as_on_cuda(configuration):
     """fp8_linear's CUDA code while tracing on the CPU: ``_scaled_mm`` itself, ``transpose_fp8`` as the
-    placeholder op; with ``rowwise-before``, the transposed casts as casts of ``t.t()``."""
+    placeholder op; with ``rowwise-before``, the transposed casts as casts of ``t.t()``; with
+    ``rowwise-tensorwise-dw-before``, the rows rescaled to one scale by a cast of their own, then
+    transposed (before the forty-second session)."""
     from flash_inductor import fp8_linear as module
+    from flash_inductor.formats import fp8
 
-    saved = module._scaled_mm, module.transpose_fp8, module._quantize_columns
+    saved = module._scaled_mm, module.transpose_fp8, module._quantize_columns, module._rows_as_one_scale_transposed
     module._scaled_mm = lambda a, a_inv, b_t, b_inv, fast_accum=False: torch._scaled_mm(
         a, b_t, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
     module.transpose_fp8 = _transpose_placeholder
     if configuration == "rowwise-before":
         module._quantize_columns = lambda t: module._quantize_rows(t.t())
+    if configuration == "rowwise-tensorwise-dw-before":
+        def rescaled_then_transposed(t_fp8, t_inv):
+            inv = t_inv.amax(dim=0, keepdim=True)
+            return _transpose_placeholder(fp8.cast_to_fp8(t_fp8, t_inv * fp8.inverse_scale(inv), fp8.E4M3)), inv
+        module._rows_as_one_scale_transposed = rescaled_then_transposed
     try:
         yield
     finally:
-        module._scaled_mm, module.transpose_fp8, module._quantize_columns = saved
+        module._scaled_mm, module.transpose_fp8, module._quantize_columns, module._rows_as_one_scale_transposed = saved
 
 
 def _layer(options):
@@ -139,6 +158,74 @@ def _partitioned_graphs(configuration):
         out = layer(*[torch.empty(shape, dtype=dtype).requires_grad_() for shape, dtype in _input_specs()])
         out.backward(torch.empty_like(out))
     return graphs
+
+
+class _Captured(Exception):
+    """Raised where the backend hands Inductor the backward, the last graph wanted."""
+
+
+def _backend_graphs(configuration):
+    """{"forward", "backward"}: the graphs ``flash_inductor.compile`` hands Inductor for HF Llama cut to
+    one layer (bf16, batch 2 x 4096, from its input embeddings, lm_head in bf16 as the hf_clients rows
+    keep it), traced on CPU tensors and stopped there: nothing is lowered for the CPU or run."""
+    import hf_clients
+
+    import flash_inductor
+    from flash_inductor import backend
+
+    options = CONFIGURATIONS[configuration]
+    fp8_options = dict(fp8="rowwise" if options["rowwise"] else "tensorwise", fp8_fast_accum=True, fp8_exclude=("lm_head",),
+                       fp8_power_of_two_scales=options.get("power_of_two", False),
+                       fp8_tensorwise_weight_gradient=options.get("tensorwise_weight_gradient", False))
+    if options["rowwise"]:
+        del fp8_options["fp8_power_of_two_scales"]  # (row-wise scales always are)
+    model = hf_clients.build_model("llama", hf_clients.model_config("llama", "full", TOKENS // 2, "is_causal", layers=1))
+    model = model.to(torch.bfloat16)
+
+    def loss(embeddings, labels):
+        logits = model(inputs_embeds=embeddings).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+    graphs = {}
+
+    def keep(graph_module, inputs, **kwargs):
+        graphs["backward" if kwargs.get("is_backward") else "forward"] = graph_module
+        if kwargs.get("is_backward"):
+            raise _Captured
+        return lambda *args: None
+
+    torch._dynamo.reset()  # each configuration traced afresh: Dynamo would keep the previous one's graphs
+    compiled = flash_inductor.compile(loss, **fp8_options)
+    inner = backend.compile_fx_inner
+    backend.compile_fx_inner = keep
+    try:
+        # the backward lowered with the forward, so both come before anything runs
+        with _fp8_linear_as_on_cuda(configuration), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            compiled(torch.zeros(2, TOKENS // 2, HIDDEN, dtype=torch.bfloat16, requires_grad=True),
+                     torch.zeros(2, TOKENS // 2, dtype=torch.long))
+    except Exception as error:  # Dynamo wraps what the backend raises
+        while error is not None and not isinstance(error, _Captured):
+            error = error.__cause__ or error.__context__
+        if error is None:
+            raise
+    finally:
+        backend.compile_fx_inner = inner
+    return graphs
+
+
+@contextlib.contextmanager
+def _fake_cuda_scatter():
+    """Inductor's reinplacing of view scatters (rotary's backward) with a fake result a CPU build can
+    make on fake CUDA tensors: the scatter's output has its input's size, strides and dtype, which is
+    all a fake result carries; the real one copies into a view of it, which needs CUDA."""
+    from torch._inductor.fx_passes import reinplace
+
+    original = reinplace._inplace_generalized_scatter
+    reinplace._inplace_generalized_scatter = lambda out, src, view_ops: out
+    try:
+        yield
+    finally:
+        reinplace._inplace_generalized_scatter = original
 
 
 def _cuda_code(graph_module, fp8_option, disable=()):
@@ -220,18 +307,24 @@ def _persistent_as_multi_kernel(configuration):
         InductorChoices.should_use_persistent_reduction = staticmethod(original)
 
 
-def generated_code(configuration):
+def generated_code(configuration, trace="layer"):
     """{"forward", "backward"}: for the layer's two graphs under ``configuration``, Inductor's code
     (sm_90), the graph's operators and the seconds Inductor took to lower it to that code (its share
     of a GPU compile that does not depend on the GPU; Triton's compile of the kernels comes on top)."""
-    graphs = _partitioned_graphs(configuration)
+    if trace == "backend":
+        pretend_sm90()  # before tracing too: what the backend and Dynamo ask of CUDA then is answered alike each time
+        graphs = _backend_graphs(configuration)
+    else:
+        graphs = _partitioned_graphs(configuration)
     pretend_sm90()
     _record_kernel_bytes()
     fp8_option = "rowwise" if CONFIGURATIONS[configuration]["rowwise"] else "tensorwise"
     generated = {}
+    # the backend compiles the graphs it rewrote so (flash_inductor/backend.py); the layer's counts predate it
+    patches = dict(emulate_precision_casts=trace == "backend")
     for name, graph in graphs.items():
         start = time.perf_counter()
-        with _persistent_as_multi_kernel(configuration):
+        with _persistent_as_multi_kernel(configuration), torch._inductor.config.patch(patches), _fake_cuda_scatter():
             code = _cuda_code(graph, fp8_option, ("fp8_scales_stored",) if configuration.endswith("-recomputed-scales") else ())
         generated[name] = dict(code=code, graph_ops=sum(n.op == "call_function" for n in graph.graph.nodes),
                                lowering_s=round(time.perf_counter() - start, 1))
@@ -311,11 +404,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configurations", nargs="*", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS))
     parser.add_argument("--show", choices=list(CONFIGURATIONS), help="list that configuration's kernels")
+    parser.add_argument("--trace", choices=["layer", "backend"], default="layer",
+                        help="the hand-written layer through AOTAutograd, or HF Llama's layer through the backend")
     parser.add_argument("--json", help="write the summaries here")
     args = parser.parse_args()
     results = {}
     for configuration in args.configurations:
-        generated = generated_code(configuration)
+        generated = generated_code(configuration, args.trace)
         results[configuration] = {graph: dict(summary(g["code"]), graph_ops=g["graph_ops"], lowering_s=g["lowering_s"])
                                   for graph, g in generated.items()}
         for graph, g in generated.items():
@@ -332,8 +427,9 @@ def main():
             print(f"{configuration:15} {graph:8} " + " ".join(f"{s[c]:>29}" for c in columns))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(torch=torch.__version__, layer=dict(tokens=TOKENS, hidden=HIDDEN, intermediate=INTERMEDIATE,
-                                                               heads=HEADS), results=results), f, indent=1)
+            layer = dict(tokens=TOKENS, hidden=HIDDEN, intermediate=INTERMEDIATE,
+                         heads=32 if args.trace == "backend" else HEADS)  # (HF Llama-1B's config has 32)
+            json.dump(dict(torch=torch.__version__, trace=args.trace, layer=layer, results=results), f, indent=1)
 
 
 if __name__ == "__main__":

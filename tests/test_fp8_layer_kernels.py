@@ -51,3 +51,28 @@ def test_no_reduction_kernel_stores_an_fp8_tensor_transposed(tmp_path):
     # and the casts are rescaled to one scale as transpose_fp8 copies them, not by kernels of their own: the
     # hybrid's backward moves no more bytes than tensorwise's (the same, with these shapes)
     assert hybrid["inductor_kernels_gb"] <= results["tensorwise"]["backward"]["inductor_kernels_gb"], results
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_hf_llama_through_the_backend_moves_fewer_bytes_with_the_rescale_in_the_transpose(tmp_path):
+    """``--trace backend``: HF Llama's layer through the backend's whole pipeline. No reduction stores a
+    transposed tensor there either, and the row-wise hybrid's rescale inside ``transpose_fp8`` moves
+    fewer bytes than a cast of its own before the copy did."""
+    out = tmp_path / "kernels.json"
+    probe = subprocess.run([sys.executable, str(BENCHMARKS / "fp8_layer_kernels.py"), "--trace", "backend", "--json", str(out),
+                            "--configurations", "tensorwise", "rowwise-tensorwise-dw", "rowwise-tensorwise-dw-before"],
+                           capture_output=True, text=True, timeout=900)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for configuration, graphs in results.items():
+        assert all(graph["reductions_storing_transposed"] == 0 for graph in graphs.values()), configuration
+
+    def moved(configuration):
+        return sum(graph[count] for graph in results[configuration].values()
+                   for count in ("inductor_kernels_gb", "reread_gb", "transposes_gb"))
+
+    assert moved("rowwise-tensorwise-dw") < moved("rowwise-tensorwise-dw-before") - 0.2, results
+    # every transpose of the hybrid's is still there (the weights' columns, the inputs, the gradients): rescaled as copied
+    launches = {c: sum(g["transpose_kernel_launches"] for g in results[c].values()) for c in results}
+    assert launches["rowwise-tensorwise-dw"] == launches["rowwise-tensorwise-dw-before"] == 18, launches
+
