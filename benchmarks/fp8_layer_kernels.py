@@ -56,7 +56,8 @@ CONFIGURATIONS = {
     "rowwise-recomputed-scales": dict(rowwise=True),
     # the weight gradient's GEMM with one scale per operand, from the row casts
     "rowwise-tensorwise-dw": dict(rowwise=True, tensorwise_weight_gradient=True),
-    # the same with the rows' rescale a cast of its own before their transpose (before the forty-second session)
+    # the same with casts by columns and the rows' rescale as kernels of their own before their transposes
+    # (before the forty-second session)
     "rowwise-tensorwise-dw-before": dict(rowwise=True, tensorwise_weight_gradient=True),
 }
 
@@ -66,23 +67,24 @@ class _GeneratedCode(Exception):
 
 
 @torch.library.custom_op("fp8_layer_kernels::transpose", mutates_args=())
-def _transpose_placeholder(t: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _transpose_placeholder(t: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                           dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     from flash_inductor import fp8_transpose
 
-    return fp8_transpose.transpose_fp8(t, row_scale)  # (the CPU's copy)
+    return fp8_transpose.transpose_fp8(t, scale, dtype)  # (the CPU's copy)
 
 
 @_transpose_placeholder.register_fake
-def _(t, row_scale=None):
-    return t.new_empty(t.shape[1], t.shape[0])
+def _(t, scale=None, dtype=None):
+    return t.new_empty(t.shape[1], t.shape[0], dtype=dtype or t.dtype)
 
 
 @contextlib.contextmanager
 def _fp8_linear_as_on_cuda(configuration):
     """fp8_linear's CUDA code while tracing on the CPU: ``_scaled_mm`` itself, ``transpose_fp8`` as the
     placeholder op; with ``rowwise-before``, the transposed casts as casts of ``t.t()``; with
-    ``rowwise-tensorwise-dw-before``, the rows rescaled to one scale by a cast of their own, then
-    transposed (before the forty-second session)."""
+    ``rowwise-tensorwise-dw-before``, casts by columns and the rows' rescale to one scale by kernels of
+    their own, then transposed (before the forty-second session)."""
     from flash_inductor import fp8_linear as module
     from flash_inductor.formats import fp8
 
@@ -96,7 +98,12 @@ def _fp8_linear_as_on_cuda(configuration):
         def rescaled_then_transposed(t_fp8, t_inv):
             inv = t_inv.amax(dim=0, keepdim=True)
             return _transpose_placeholder(fp8.cast_to_fp8(t_fp8, t_inv * fp8.inverse_scale(inv), fp8.E4M3)), inv
+
+        def cast_by_columns_then_transposed(t):
+            scale = module._row_scales(t.t())
+            return _transpose_placeholder(fp8.cast_to_fp8(t, scale.t(), fp8.E4M3)), fp8.inverse_scale(scale)
         module._rows_as_one_scale_transposed = rescaled_then_transposed
+        module._quantize_columns = cast_by_columns_then_transposed
     try:
         yield
     finally:
@@ -379,8 +386,9 @@ def kernels(code):
 
 def transposes(code):
     """[(rows, cols)] of each ``transpose_fp8`` launch in ``code``."""
-    # run(src, row_scale (a buffer, or -1 for None), dst, rows, cols, ...)
-    return [(int(r), int(c)) for r, c in re.findall(r"\btranspose_kernel_\d+\.run\(\w+, [\w-]+, \w+, (\d+), (\d+),", code)]
+    # run(src (a buffer, or a view of one), scale (a buffer, or -1 for None), dst, rows, cols, ...)
+    source = r"(?:reinterpret_tensor\(\w+, \([^)]*\), \([^)]*\), \d+\)|\w+)"
+    return [(int(r), int(c)) for r, c in re.findall(rf"\btranspose_kernel_\d+\.run\({source}, [\w-]+, \w+, (\d+), (\d+),", code)]
 
 
 def summary(code):

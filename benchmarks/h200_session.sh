@@ -137,7 +137,7 @@
 #              reserved footprint of CUDA graphs), recompute (the Llama, is_causal, 40 steps: flashoptim and FP8 +
 #              fast accumulation + cudagraphs, each with and without recompute_elementwise: peak memory, speed)
 #   rowwise    issue 14: FP8 with row-wise scales (fp8="rowwise", torchao's "rowwise" recipe), by PART: tests (its GPU
-#              tests against the fp64 reference, the row-scaled transposes of tests/test_fp8_transpose.py, CUDA graphs'
+#              tests against the fp64 reference, the casting transposes of tests/test_fp8_transpose.py, CUDA graphs'
 #              steps with kept gradients and two backward passes a step,
 #              nn.TransformerEncoderLayer's attention projections as FP8 GEMMs; TESTS a -k selection),
 #              linears (forward + backward of the Llama's linears: bf16, ours tensorwise and row-wise, torchao's two
@@ -619,7 +619,7 @@ case $stage in
     case ${PART:-tests} in
       tests)
         timeout 300 python -m pytest -v -m gpu tests/test_gpu.py tests/test_fp8_transpose.py \
-          -k "${TESTS:-rowwise or row_scaled or cudagraphs_train_step or kept_zero or transposes_in_its_own_kernel or every_token_count or attention_projections}" 2>&1 \
+          -k "${TESTS:-rowwise or rescaled_rows or cast_by_columns or cast_transposes or cudagraphs_train_step or kept_zero or transposes_in_its_own_kernel or every_token_count or attention_projections}" 2>&1 \
           | grep -v "^DEBUG" > "$out/gpu_tests_rowwise${SUFFIX:-}_$card.log"
         tail -4 "$out/gpu_tests_rowwise${SUFFIX:-}_$card.log" ;;
       linears)

@@ -168,12 +168,12 @@ def _rows_as_one_scale_transposed(t_fp8, t_inv):
 
 
 def _quantize_columns(t):
-    """``_quantize_rows(t.t())``, the same bits: each column cast with its own scale where ``t`` is
-    stored, then transposed by ``transpose_fp8``. Cast through ``t.t()`` directly, Inductor stores the
+    """``_quantize_rows(t.t())``, the same bits: each column cast with its own scale as ``transpose_fp8``
+    copies ``t`` where it is stored. Cast through ``t.t()`` directly, Inductor stores the
     transposed bytes from the kernel that produces ``t``, an RMSNorm's forward or backward among
     them, a column apart per row (the slow kernels ``fp8_transpose`` describes)."""
     scale = _row_scales(t.t())
-    return transpose_fp8(fp8.cast_to_fp8(t, scale.t(), fp8.E4M3)), fp8.inverse_scale(scale)
+    return transpose_fp8(t, scale.t(), fp8.E4M3), fp8.inverse_scale(scale)
 
 
 def _refuse_what_cuda_refuses(a, a_inv_scale, b_t, b_inv_scale):

@@ -10,11 +10,11 @@ first run of 2026-12-02), where the same RMSNorm backward without the copy took 
 scaling's casts by columns are transposed here too (``fp8_linear._quantize_columns``;
 ``benchmarks/fp8_layer_kernels.py`` lists the kernels Inductor writes either way).
 
-With row scales, the copy also rescales each row and casts it back to FP8 on the way: row-wise
-scaling's hybrid (``fp8_linear``, ``tensorwise_weight_gradient``) brings the rows of a row-wise cast
-to one scale for the weight gradient's GEMM. Done by a kernel of Inductor's before the copy, that
-was one more read and write of every such tensor (in the offline count of
-``benchmarks/fp8_layer_kernels.py``, 0.19 GB of a Llama layer's backward).
+With a scale per row or per column, the copy also casts to FP8 on the way. Row-wise scaling casts
+its operands by columns so (``fp8_linear._quantize_columns``: a weight, a gradient that a GEMM
+stored, read once in bf16), and its hybrid (``tensorwise_weight_gradient``) brings the rows of a
+row-wise cast to one scale for the weight gradient's GEMM. Done by a kernel of Inductor's before the
+copy, each was one more write and read of the FP8 tensor (``benchmarks/fp8_layer_kernels.py``).
 
 ``transpose_fp8`` is a ``torch.library.triton_op``: Inductor launches its Triton kernel as written
 and fuses nothing into it, so ``t`` is stored row by row where it is produced, and the copy moves
@@ -46,16 +46,20 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def transpose_kernel(src, row_scale, dst, rows, cols, BLOCK: tl.constexpr):
+    def transpose_kernel(src, scale, dst, rows, cols, SCALE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
         r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         c = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         inside = (r[:, None] < rows) & (c[None, :] < cols)
         tile = tl.load(src + r[:, None] * cols + c[None, :], mask=inside)
-        if row_scale is not None:  # (a constexpr None compiles the plain copy)
-            scale = tl.load(row_scale + r, mask=r < rows)
-            # the product is exact (a power of two); sm_90 rounds it as torch's cast does:
-            # cvt.rn.satfinite, to nearest even (tests/test_fp8_transpose.py reads the PTX)
-            tile = (tile.to(tl.float32) * scale[:, None]).to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
+        if scale is not None:  # (a constexpr None compiles the plain copy)
+            if SCALE_ROWS:
+                factor = tl.load(scale + r, mask=r < rows)[:, None]
+            else:
+                factor = tl.load(scale + c, mask=c < cols)[None, :]
+            # the product is exact (a power of two); sm_90 rounds it as torch's cast does, to nearest even,
+            # and saturates as formats.fp8.cast_to_fp8 clamps: cvt.rn.satfinite (tests/test_fp8_transpose.py
+            # reads the PTX)
+            tile = (tile.to(tl.float32) * factor).to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(dst + c[None, :] * rows + r[:, None], tile, mask=inside)
 
     return transpose_kernel
@@ -73,35 +77,41 @@ def transpose_calls(graph):
     return [n for n in calls if kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) is kernel]
 
 
-def transpose_fp8(t: torch.Tensor, row_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def transpose_fp8(t: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                  dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``t.t().contiguous()`` for a 2-D ``t`` (any dtype; meant for FP8), as a kernel of its own on CUDA.
 
-    With ``row_scale`` (fp32, one per row of ``t``; ``t`` FP8) each row is multiplied by its scale
-    and cast back to ``t``'s dtype on the way: ``formats.fp8.cast_to_fp8(t, row_scale[:, None],
-    t.dtype)`` transposed, in one pass over ``t``. Meant for powers of two of at most one (the products
-    are then exact and never saturate), as ``fp8_linear`` rescales rows to one scale."""
-    if row_scale is not None:
-        _check_row_scale(t, row_scale)
+    With ``scale`` (fp32, ``(rows, 1)``: one a row of ``t``, or ``(1, cols)``: one a column) it casts
+    on the way: ``formats.fp8.cast_to_fp8(t, scale, dtype)`` transposed, in one pass over ``t``
+    (``dtype``: an FP8 dtype, ``t``'s own by default). Meant for powers of two, whose products are
+    exact: ``fp8_linear`` casts a tensor by columns this way, and rescales row casts to one scale."""
+    dtype = t.dtype if dtype is None else dtype
+    if scale is not None:
+        _check_scale(t, scale, dtype)
+    elif dtype != t.dtype:
+        raise ValueError(f"transpose_fp8: casting {t.dtype} to {dtype} needs a scale")
     if t.device.type != "cuda" or not _compat.HAS_TRITON:
-        if row_scale is not None:
-            t = fp8.cast_to_fp8(t, row_scale.reshape(-1, 1), t.dtype)
+        if scale is not None:
+            t = fp8.cast_to_fp8(t, scale, dtype)
         # a copy also of a ``t`` laid out by columns: a custom op's output may not alias its input
         return t.t().clone(memory_format=torch.contiguous_format)
     t = t.contiguous()
     rows, cols = t.shape
-    out = torch.empty((cols, rows), dtype=t.dtype, device=t.device)
+    out = torch.empty((cols, rows), dtype=dtype, device=t.device)
     grid = (-(-rows // BLOCK), -(-cols // BLOCK))
-    scale = None if row_scale is None else row_scale.reshape(-1).contiguous()
-    torch.library.wrap_triton(_kernel())[grid](t, scale, out, rows, cols, BLOCK=BLOCK)
+    scale_rows = scale is not None and scale.shape[0] == rows and scale.shape[1] == 1
+    flat_scale = None if scale is None else scale.reshape(-1).contiguous()
+    torch.library.wrap_triton(_kernel())[grid](t, flat_scale, out, rows, cols, SCALE_ROWS=scale_rows, BLOCK=BLOCK)
     return out
 
 
-def _check_row_scale(t, row_scale):
-    if t.dtype not in (fp8.E4M3, fp8.E5M2):
-        raise ValueError(f"transpose_fp8: row_scale rescales FP8 rows, but t is {t.dtype}")
-    if row_scale.dtype != torch.float32 or row_scale.numel() != t.shape[0]:
-        raise ValueError(f"transpose_fp8: row_scale must be fp32 with one value per row of t ({t.shape[0]}), "
-                         f"got {row_scale.dtype} of shape {tuple(row_scale.shape)}")
+def _check_scale(t, scale, dtype):
+    if dtype not in (fp8.E4M3, fp8.E5M2):
+        raise ValueError(f"transpose_fp8: a scale casts to FP8, but the output would be {dtype}")
+    rows, cols = t.shape
+    if scale.dtype != torch.float32 or tuple(scale.shape) not in ((rows, 1), (1, cols)):
+        raise ValueError(f"transpose_fp8: scale must be fp32 of shape ({rows}, 1) (one a row of t) or (1, {cols}) "
+                         f"(one a column), got {scale.dtype} of shape {tuple(scale.shape)}")
 
 
 if _compat.HAS_TRITON:  # (without Triton, registering it logs a warning at import)

@@ -27,8 +27,8 @@ After::
     x_fp8_t = wrapper['dst']
     mm_k = torch.ops.aten._scaled_mm.default(g_k_t, x_fp8_t.t(), ...)
 
-A call is merged into an earlier one of the same kernel when both read the same source (and row
-scales, where given) with the same grid and constant arguments (compared by value) into equal fresh ``empty`` buffers that nothing
+A call is merged into an earlier one of the same kernel when both read the same source (and scales,
+where given) with the same grid and constant arguments (compared by value) into equal fresh ``empty`` buffers that nothing
 else uses. Other Triton kernels are left alone (a kernel may write more than its output).
 """
 
@@ -82,7 +82,7 @@ def _key(node):
     constants = kernel_side_table.get_constant_args(kwargs["constant_args_idx"])
     return (
         kwargs["kernel_idx"],
-        tuple(sorted((name, tensor) for name, tensor in tensors.items() if name != "dst")),  # src, row_scale
+        tuple(sorted((name, tensor) for name, tensor in tensors.items() if name != "dst")),  # src, scale
         repr(kwargs["grid"]),
         repr(sorted(constants.items())),
         dst.target,

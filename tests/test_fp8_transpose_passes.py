@@ -23,9 +23,9 @@ from flash_inductor.pipeline import PassContext
 FP8_ON, FP8_OFF = (PassContext({}, set(), Options(fp8=fp8)) for fp8 in ("tensorwise", None))
 
 
-def _call(graph, kernel, src, shape=(64, 32), dst_users=1, row_scale=None):
+def _call(graph, kernel, src, shape=(64, 32), dst_users=1, scale=None):
     """``kernel(src, dst=empty(shape))`` as AOTAutograd writes a ``transpose_fp8`` call (with a tensor
-    ``row_scale``, as its rescaling form); its ``dst``."""
+    ``scale``, as its casting form); its ``dst``."""
     dst = graph.call_function(torch.ops.aten.empty.memory_format, (list(shape),), {"dtype": torch.float8_e4m3fn})
     for _ in range(dst_users - 1):
         graph.call_function(torch.ops.aten.abs.default, (dst,))
@@ -33,7 +33,7 @@ def _call(graph, kernel, src, shape=(64, 32), dst_users=1, row_scale=None):
         "kernel_idx": kernel_side_table.add_kernel(kernel),
         "constant_args_idx": kernel_side_table.add_constant_args({"rows": shape[1], "cols": shape[0], "BLOCK": 64}),
         "grid": [(1, 1, 1)], "tma_descriptor_metadata": {},
-        "kwargs": {"src": src, **({} if row_scale is None else {"row_scale": row_scale}), "dst": dst},
+        "kwargs": {"src": src, **({} if scale is None else {"scale": scale}), "dst": dst},
         "tensors_to_clone": ["dst"]})
     return graph.call_function(operator.getitem, (wrapper, "dst"))
 
@@ -88,16 +88,16 @@ return (getitem, getitem, getitem_2, getitem_3, getitem_4, getitem_5, getitem)""
         self.assertIs(unchanged, graph)
         self.assertEqual(none, [])
 
-    def test_rescaled_transposes_merge_only_with_the_same_row_scales(self):
+    def test_casting_transposes_merge_only_with_the_same_scales(self):
         transpose_kernel = object()
         self._patch_kernel(transpose_kernel)
         graph = fx.Graph()
         x, s, t = graph.placeholder("x_fp8"), graph.placeholder("s"), graph.placeholder("t")
         outputs = [
-            _call(graph, transpose_kernel, x, row_scale=s),  # kept
-            _call(graph, transpose_kernel, x),  # no row scales: kept
-            _call(graph, transpose_kernel, x, row_scale=t),  # other row scales: kept
-            _call(graph, transpose_kernel, x, row_scale=s),  # merged into the first
+            _call(graph, transpose_kernel, x, scale=s),  # kept
+            _call(graph, transpose_kernel, x),  # no scales: kept
+            _call(graph, transpose_kernel, x, scale=t),  # other scales: kept
+            _call(graph, transpose_kernel, x, scale=s),  # merged into the first
         ]
         graph.output(tuple(outputs))
         new_graph, merged = fp8_transpose_cse_pass(graph, FP8_ON)
