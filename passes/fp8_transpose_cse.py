@@ -28,8 +28,9 @@ After::
     mm_k = torch.ops.aten._scaled_mm.default(g_k_t, x_fp8_t.t(), ...)
 
 A call is merged into an earlier one of the same kernel when both read the same source (and scales,
-where given) with the same grid and constant arguments (compared by value) into equal fresh ``empty`` buffers that nothing
-else uses. Other Triton kernels are left alone (a kernel may write more than its output).
+where given) with the same grid and constant arguments (compared by value) into equal fresh
+``empty`` buffers that nothing else uses. Other Triton kernels are left alone (a kernel may write
+more than its output).
 """
 
 import operator
