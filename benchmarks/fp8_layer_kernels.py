@@ -83,31 +83,25 @@ def _(t, scale=None, dtype=None):
 def _fp8_linear_as_on_cuda(configuration):
     """fp8_linear's CUDA code while tracing on the CPU: ``_scaled_mm`` itself, ``transpose_fp8`` as the
     placeholder op; with ``rowwise-before``, the transposed casts as casts of ``t.t()``; with
-    ``rowwise-tensorwise-dw-before``, casts by columns and the rows' rescale to one scale by kernels of
-    their own, then transposed (before the forty-second session)."""
+    ``rowwise-tensorwise-dw-before``, the casts that ``transpose_fp8`` makes as it copies (by columns,
+    and the rows' rescale to one scale) made before it (before the forty-second session)."""
     from flash_inductor import fp8_linear as module
     from flash_inductor.formats import fp8
 
-    saved = module._scaled_mm, module.transpose_fp8, module._quantize_columns, module._rows_as_one_scale_transposed
+    saved = module._scaled_mm, module.transpose_fp8, module._quantize_columns
     module._scaled_mm = lambda a, a_inv, b_t, b_inv, fast_accum=False: torch._scaled_mm(
         a, b_t, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
     module.transpose_fp8 = _transpose_placeholder
     if configuration == "rowwise-before":
         module._quantize_columns = lambda t: module._quantize_rows(t.t())
     if configuration == "rowwise-tensorwise-dw-before":
-        def rescaled_then_transposed(t_fp8, t_inv):
-            inv = t_inv.amax(dim=0, keepdim=True)
-            return _transpose_placeholder(fp8.cast_to_fp8(t_fp8, t_inv * fp8.inverse_scale(inv), fp8.E4M3)), inv
-
-        def cast_by_columns_then_transposed(t):
-            scale = module._row_scales(t.t())
-            return _transpose_placeholder(fp8.cast_to_fp8(t, scale.t(), fp8.E4M3)), fp8.inverse_scale(scale)
-        module._rows_as_one_scale_transposed = rescaled_then_transposed
-        module._quantize_columns = cast_by_columns_then_transposed
+        # the cast a kernel of Inductor's, the copy moving its FP8 bytes
+        module.transpose_fp8 = lambda t, scale=None, dtype=None: _transpose_placeholder(
+            t if scale is None else fp8.cast_to_fp8(t, scale, dtype or t.dtype))
     try:
         yield
     finally:
-        module._scaled_mm, module.transpose_fp8, module._quantize_columns, module._rows_as_one_scale_transposed = saved
+        module._scaled_mm, module.transpose_fp8, module._quantize_columns = saved
 
 
 def _layer(options):
@@ -182,10 +176,9 @@ def _backend_graphs(configuration):
 
     options = CONFIGURATIONS[configuration]
     fp8_options = dict(fp8="rowwise" if options["rowwise"] else "tensorwise", fp8_fast_accum=True, fp8_exclude=("lm_head",),
-                       fp8_power_of_two_scales=options.get("power_of_two", False),
                        fp8_tensorwise_weight_gradient=options.get("tensorwise_weight_gradient", False))
-    if options["rowwise"]:
-        del fp8_options["fp8_power_of_two_scales"]  # (row-wise scales always are)
+    if not options["rowwise"]:  # (row-wise scales are powers of two always)
+        fp8_options["fp8_power_of_two_scales"] = options.get("power_of_two", False)
     model = hf_clients.build_model("llama", hf_clients.model_config("llama", "full", TOKENS // 2, "is_causal", layers=1))
     model = model.to(torch.bfloat16)
 

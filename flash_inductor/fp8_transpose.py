@@ -99,7 +99,7 @@ def transpose_fp8(t: torch.Tensor, scale: Optional[torch.Tensor] = None,
     rows, cols = t.shape
     out = torch.empty((cols, rows), dtype=dtype, device=t.device)
     grid = (-(-rows // BLOCK), -(-cols // BLOCK))
-    scale_rows = scale is not None and scale.shape[0] == rows and scale.shape[1] == 1
+    scale_rows = scale is not None and tuple(scale.shape) == (rows, 1)
     flat_scale = None if scale is None else scale.reshape(-1).contiguous()
     torch.library.wrap_triton(_kernel())[grid](t, flat_scale, out, rows, cols, SCALE_ROWS=scale_rows, BLOCK=BLOCK)
     return out
