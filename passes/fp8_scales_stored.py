@@ -58,7 +58,9 @@ def fp8_scales_stored_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]]:
     for old in scales:
         scale = copy_of[old]
         stored = graph_utils.stored_view(new_graph, scale)
-        scale.replace_all_uses_with(stored, delete_user_cb=lambda user: user is not stored)  # noqa: B023
+        # (not the view itself, nor the sym_size nodes it reads a symbolic size off the scale with)
+        own = {stored, *(d for d in (*stored.args[1], *stored.args[2]) if isinstance(d, fx.Node))}
+        scale.replace_all_uses_with(stored, delete_user_cb=lambda user: user not in own)  # noqa: B023
     return new_graph, [s.name for s in scales]
 
 

@@ -102,6 +102,38 @@ return (convert_element_type_default, convert_element_type_default_1, reciprocal
         self.assertEqual(none, [])
 
 
+    def test_a_symbolic_row_scale_is_stored_with_its_size_read_off_the_scale(self):
+        """A token count compiled as a symbol: the stored view's size is read off the scale itself
+        (reading it off the view would use the view before it is defined)."""
+        from torch._inductor.decomposition import select_decomp_table
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        from flash_inductor.formats import fp8
+
+        def cast_rows(x):
+            scale = torch.reciprocal(x.abs().amax(1, keepdim=True))
+            return fp8.cast_to_fp8(x, scale, torch.float8_e4m3fn), scale.reshape(-1)  # the scale read again
+
+        graph = make_fx(cast_rows, decomposition_table=select_decomp_table(), tracing_mode="symbolic")(
+            torch.randn(48, 32)).graph
+        new_graph, stored = fp8_scales_stored_pass(graph, CONTEXT)
+        self.assertEqual(stored, ["reciprocal"])
+        new_graph.lint()
+        self.assertExpectedInline(_code(new_graph), """\
+def forward(self, x_1):
+abs_1 = torch.ops.aten.abs.default(x_1)
+amax = torch.ops.aten.amax.default(abs_1, [1], True);  abs_1 = None
+reciprocal = torch.ops.aten.reciprocal.default(amax);  amax = None
+sym_size_int = torch.ops.aten.sym_size.int(reciprocal, 0)
+reciprocal_stored = torch.ops.aten.as_strided.default(reciprocal, [sym_size_int, 1], [1, 1]);  reciprocal = sym_size_int = None
+mul = torch.ops.aten.mul.Tensor(x_1, reciprocal_stored);  x_1 = None
+clamp_min = torch.ops.aten.clamp_min.default(mul, -448.0);  mul = None
+clamp_max = torch.ops.aten.clamp_max.default(clamp_min, 448.0);  clamp_min = None
+convert_element_type = torch.ops.prims.convert_element_type.default(clamp_max, torch.float8_e4m3fn);  clamp_max = None
+view = torch.ops.aten.view.default(reciprocal_stored, [-1]);  reciprocal_stored = None
+return (convert_element_type, view)""")  # noqa: E501
+
+
 @pytest.fixture(scope="module")
 def fp8_steps_with_and_without_the_pass():
     """{fp8: (with the pass, without)}: a linear's output and gradients through Inductor on the CPU."""
