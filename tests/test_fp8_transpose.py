@@ -76,10 +76,13 @@ def test_bf16_cast_by_columns_rounds_every_bf16_value_to_nearest_even_and_satura
 @pytest.mark.parametrize("shape", [(64, 64), (130, 7), (8192, 2048)])
 @pytest.mark.parametrize("by", ["rows", "columns"])
 def test_cast_transposes_match_the_cpu_on_shapes_that_cut_tiles(shape, by):
-    """Tiles cut by the edges: the scales and the tile's mask line up."""
+    """Tiles cut by the edges: the scales and the tile's mask line up. The values are finite: a NaN comes
+    out of the kernel as out of torch's CUDA cast, positive (0x7F), where the CPU's cast keeps its sign
+    (``benchmarks/results/fp8_transpose_check_h100.log``: torch 2.11's CPU cast turned 27 of 16.8M
+    values past 448 into negative NaNs)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    t = torch.randn(shape) * 100
+    t = (torch.randn(shape) * 100).clamp(-448, 448)
     scale = 2.0 ** -torch.randint(0, 12, (shape[0], 1) if by == "rows" else (1, shape[1])).to(torch.float32)
     for source in (t.to(torch.bfloat16), t.to(torch.float8_e4m3fn)):
         expected = fp8_transpose.transpose_fp8(source, scale, torch.float8_e4m3fn)
