@@ -323,6 +323,15 @@ def stored_view(graph: fx.Graph, src: fx.Node) -> fx.Node:
     return view
 
 
+def read_through_stored_view(graph: fx.Graph, src: fx.Node) -> fx.Node:
+    """``stored_view(graph, src)``, which every reader of ``src`` then reads instead (all but the view
+    and the ``sym_size`` / ``sym_stride`` nodes it reads its own size off ``src`` with)."""
+    view = stored_view(graph, src)
+    own = {view, *(d for d in (*view.args[1], *view.args[2]) if isinstance(d, fx.Node))}
+    src.replace_all_uses_with(view, delete_user_cb=lambda user: user not in own)
+    return view
+
+
 def _dims(graph, src, values, read_dim):
     """``values`` (a size or strides of ``src``), each symbolic one as a node that reads it off ``src``."""
     dims = []

@@ -10,10 +10,10 @@ backward kernel casts three tensors by columns, so it computed three scales per 
 H100 that kernel took 372 µs a layer, 335 µs with the scales stored: docs/benchmarks.md, forty-first
 session).
 
-The scale is read through ``as_strided`` with its own size and strides (``graph_utils.stored_view``):
-Inductor's lowering of it stores the scale (in the kernel that reduces its amax, as that kernel's
-epilogue) and the casts load it. Nothing is recomputed or rounded differently, so the bits stay
-the same; the pass only changes where the scale is computed.
+The scale is read through ``as_strided`` with its own size and strides
+(``graph_utils.read_through_stored_view``): Inductor's lowering of it stores the scale (in the kernel
+that reduces its amax, as that kernel's epilogue) and the casts load it. Nothing is recomputed or
+rounded differently, so the bits stay the same; the pass only changes where the scale is computed.
 
 Before (post-grad graph; a column scale, read transposed)::
 
@@ -56,11 +56,7 @@ def fp8_scales_stored_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]]:
         return graph, []
     new_graph, copy_of = graph_utils.copy_graph(graph)
     for old in scales:
-        scale = copy_of[old]
-        stored = graph_utils.stored_view(new_graph, scale)
-        # (not the view itself, nor the sym_size nodes it reads a symbolic size off the scale with)
-        own = {stored, *(d for d in (*stored.args[1], *stored.args[2]) if isinstance(d, fx.Node))}
-        scale.replace_all_uses_with(stored, delete_user_cb=lambda user: user not in own)  # noqa: B023
+        graph_utils.read_through_stored_view(new_graph, copy_of[old])
     return new_graph, [s.name for s in scales]
 
 

@@ -101,7 +101,6 @@ return (convert_element_type_default, convert_element_type_default_1, reciprocal
         self.assertIs(again, new_graph)
         self.assertEqual(none, [])
 
-
     def test_a_symbolic_row_scale_is_stored_with_its_size_read_off_the_scale(self):
         """A token count compiled as a symbol: the stored view's size is read off the scale itself
         (reading it off the view would use the view before it is defined)."""
