@@ -23,10 +23,9 @@ def _mismatches(shape, source_dtype, by, seed=0):
     scale = None
     if by != "none":
         scale = 2.0 ** -torch.randint(0, 12, (shape[0], 1) if by == "rows" else (1, shape[1])).to(torch.float32)
-    dtype = torch.float8_e4m3fn
-    expected = fp8_transpose.transpose_fp8(t, scale, dtype if scale is not None else None)
-    got = fp8_transpose.transpose_fp8(t.cuda(), None if scale is None else scale.cuda(),
-                                      dtype if scale is not None else None).cpu()
+    dtype = None if scale is None else torch.float8_e4m3fn  # (a plain copy keeps t's dtype)
+    expected = fp8_transpose.transpose_fp8(t, scale, dtype)
+    got = fp8_transpose.transpose_fp8(t.cuda(), None if scale is None else scale.cuda(), dtype).cpu()
     source = t.cuda() if scale is None else fp8.cast_to_fp8(t.cuda(), scale.cuda(), dtype)
     torch_cuda = source.t().contiguous().cpu()
     bad = (got.view(torch.uint8) != expected.view(torch.uint8)).nonzero().tolist()

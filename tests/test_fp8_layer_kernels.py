@@ -7,6 +7,7 @@ again; persistent ones do not. Stored scales (passes/fp8_scales_stored.py) leave
 kernels that cast; the row-wise hybrid's rescaled casts are transposed without a pass of their own. It needs Triton and runs in a
 process of its own (the probe answers CUDA queries as an H200 would)."""
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -19,15 +20,27 @@ from helpers import BENCHMARKS
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 
 
-def test_no_reduction_kernel_stores_an_fp8_tensor_transposed(tmp_path):
+def _probe(tmp_path, *args):
+    """The probe's summaries ({configuration: {graph: counts}}), run in a process of its own with ``args``."""
     out = tmp_path / "kernels.json"
-    probe = subprocess.run([sys.executable, str(BENCHMARKS / "fp8_layer_kernels.py"), "--json", str(out)],
+    probe = subprocess.run([sys.executable, str(BENCHMARKS / "fp8_layer_kernels.py"), "--json", str(out), *args],
                            capture_output=True, text=True, timeout=900)
     assert probe.returncode == 0, probe.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
+    return json.loads(out.read_text())["results"]
 
-    def total(configuration, count):
-        return sum(graph[count] for graph in results[configuration].values())
+
+def _total(results, configuration, count):
+    return sum(graph[count] for graph in results[configuration].values())
+
+
+def _moved(results, configuration):
+    """GB a configuration's layer moves: its Inductor kernels, their second reads and the transposes."""
+    return sum(_total(results, configuration, count) for count in ("inductor_kernels_gb", "reread_gb", "transposes_gb"))
+
+
+def test_no_reduction_kernel_stores_an_fp8_tensor_transposed(tmp_path):
+    results = _probe(tmp_path)
+    total = functools.partial(_total, results)
 
     assert total("tensorwise", "reductions_storing_transposed") == 0, results
     assert total("rowwise", "reductions_storing_transposed") == 0, results
@@ -54,10 +67,7 @@ def test_no_reduction_kernel_stores_an_fp8_tensor_transposed(tmp_path):
 
     # row-wise casts by columns as transpose_fp8 copies the tensor, from a bf16 tensor stored once: its layer
     # moves about tensorwise's bytes (3% more), where casts by columns of their own moved 32% more
-    def moved(configuration):
-        return sum(total(configuration, count) for count in ("inductor_kernels_gb", "reread_gb", "transposes_gb"))
-
-    assert moved("rowwise") < 1.1 * moved("tensorwise"), results
+    assert _moved(results, "rowwise") < 1.1 * _moved(results, "tensorwise"), results
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
@@ -65,21 +75,11 @@ def test_hf_llama_through_the_backend_moves_fewer_bytes_with_the_rescale_in_the_
     """``--trace backend``: HF Llama's layer through the backend's whole pipeline. No reduction stores a
     transposed tensor there either, and the row-wise hybrid's rescale inside ``transpose_fp8`` moves
     fewer bytes than a cast of its own before the copy did."""
-    out = tmp_path / "kernels.json"
-    probe = subprocess.run([sys.executable, str(BENCHMARKS / "fp8_layer_kernels.py"), "--trace", "backend", "--json", str(out),
-                            "--configurations", "tensorwise", "rowwise-tensorwise-dw", "rowwise-tensorwise-dw-before"],
-                           capture_output=True, text=True, timeout=900)
-    assert probe.returncode == 0, probe.stderr[-3000:]
-    results = json.loads(out.read_text())["results"]
-    for configuration, graphs in results.items():
-        assert all(graph["reductions_storing_transposed"] == 0 for graph in graphs.values()), configuration
-
-    def moved(configuration):
-        return sum(graph[count] for graph in results[configuration].values()
-                   for count in ("inductor_kernels_gb", "reread_gb", "transposes_gb"))
-
-    assert moved("rowwise-tensorwise-dw") < moved("rowwise-tensorwise-dw-before") - 0.2, results
+    results = _probe(tmp_path, "--trace", "backend", "--configurations", "tensorwise", "rowwise-tensorwise-dw",
+                     "rowwise-tensorwise-dw-before")
+    for configuration in results:
+        assert _total(results, configuration, "reductions_storing_transposed") == 0, configuration
+    assert _moved(results, "rowwise-tensorwise-dw") < _moved(results, "rowwise-tensorwise-dw-before") - 0.2, results
     # every transpose of the hybrid's is still there (the weights' columns, the inputs, the gradients): rescaled as copied
-    launches = {c: sum(g["transpose_kernel_launches"] for g in results[c].values()) for c in results}
+    launches = {c: _total(results, c, "transpose_kernel_launches") for c in results}
     assert launches["rowwise-tensorwise-dw"] == launches["rowwise-tensorwise-dw-before"] == 18, launches
-
