@@ -772,10 +772,10 @@ def test_stored_fp8_scales_keep_the_bits_and_leave_the_casts(fp8):
     """passes/fp8_scales_stored.py on CUDA: a linear's output and both gradients keep their bits, and,
     tensorwise, fewer power-of-two scale formulas (each one shift of an amax's bits, `` >> ``) are left
     in the Triton code: each is computed once, not in every kernel that casts by it. A lone row-wise
-    linear leaves the pass nothing to save (7 formulas either way, on an H100 and in the sm_90 code
-    lowered on the CPU): its casts by columns take their scales as ``transpose_fp8``'s input, stored
-    anyway, and each row cast is made in the kernel that reduces the row's amax. In a Llama layer it
-    saves some (tests/test_fp8_layer_kernels.py)."""
+    linear leaves the pass nothing to save (7 formulas either way on an H100,
+    ``benchmarks/results/gpu_tests_scalesfix_h100.log``): its casts by columns take their scales as
+    ``transpose_fp8``'s input, stored anyway. In a Llama layer it still saves some
+    (tests/test_fp8_layer_kernels.py)."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
