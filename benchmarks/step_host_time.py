@@ -5,8 +5,9 @@ through ``@flash_inductor.train_step`` with a gradient clip, on the CPU: the ste
 so what the host does before the first graph shows. Prints, for one profiled step, the offsets of the
 first events (Dynamo's guard lookup, the compiled region, the compiled graph's call) and the number of
 guards of each frame Dynamo compiled. Then, without the profiler, the median offset at which the first
-compiled graph is entered over ``--calls`` steps, for this step and for ``hf_clients.py``'s baseline
-(``torch.compile`` of the loss, backward, clip and fused AdamW eager) on a fresh model of the same shape.
+compiled graph is entered over ``--calls`` steps, for this step and for the form of ``hf_clients.py``'s
+baseline (``torch.compile`` of the loss; backward, clip and fused AdamW eager) on a fresh model of the
+same shape, bf16 as this one (the benchmark's baseline keeps fp32 weights under autocast).
 Writes them as JSON with ``--out``.
 ``python benchmarks/step_host_time.py --out benchmarks/results/step_host_time_cpu.json``
 """
@@ -77,7 +78,7 @@ def main():
         baseline_optimizer.zero_grad()
         return loss
 
-    unprofiled = {name: _first_graph_offsets(run, x, args.calls)
+    unprofiled = {name: _first_graph_offset_us(run, x, args.calls)
                   for name, run in (("train_step", step), ("baseline", baseline_step))}
     print(f"without the profiler, medians over {args.calls} steps each:")
     for name, at in unprofiled.items():
@@ -95,7 +96,7 @@ def _llama():
     return config, transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-def _first_graph_offsets(run, x, calls):
+def _first_graph_offset_us(run, x, calls):
     """The median over ``calls`` steps of ``run(x).item()`` of when the first compiled (Inductor) graph
     is entered after the step begins, in µs. The graph's call is wrapped to stamp the time; Dynamo is
     told to run the wrapper as it is, not to compile it."""
