@@ -52,7 +52,7 @@ def step_profile(fn, calls=5, top=25):
     steps = [gpu_idle(e.time_range.start, e.time_range.end, kernels) for e in raw if e.name == _STEP]
     idle = {key: round(statistics.median(s[key] for s in steps), 1)
             for key in ("before_first_kernel_us", "within_us", "after_last_kernel_us")}
-    idle["gaps"] = steps[0]["gaps"] if steps else []
+    idle["gaps"] = steps[0]["gaps"]
     return dict(wall_ms=round(wall_ms, 3), gpu_busy_ms=round(sum(e.device_time_total for e in gpu) / calls / 1e3, 3),
                 gpu_kernels=rows(gpu, lambda e: e.device_time_total), cpu_self=rows(cpu, lambda e: e.self_cpu_time_total),
                 gpu_idle=idle)

@@ -1,14 +1,14 @@
 """Host time at the start of a ``train_step``: what runs before its compiled graph is entered.
 
 A 16-layer HF Llama of hidden 64 (147 parameters, as the ~1B Llama of ``hf_clients.py`` has) trained
-through ``@flash_inductor.train_step`` with a gradient clip, on the CPU: the step's compute is small,
-so what the host does before the first graph shows. Prints, for one profiled step, the offsets of the
-first events (Dynamo's guard lookup, the compiled region, the compiled graph's call) and the number of
-guards of each frame Dynamo compiled. Then, without the profiler, the median offset at which the first
-compiled graph is entered over ``--calls`` steps, for this step and for the form of ``hf_clients.py``'s
-baseline (``torch.compile`` of the loss; backward, clip and fused AdamW eager) on a fresh model of the
-same shape, bf16 as this one (the benchmark's baseline keeps fp32 weights under autocast).
-Writes them as JSON with ``--out``.
+through ``@flash_inductor.train_step`` with a gradient clip (``hf_clients.make_step``'s step), on the
+CPU: the step's compute is small, so what the host does before the first graph shows. Prints, for
+one profiled step, the offsets of the first events (Dynamo's guard lookup, the compiled region, the
+compiled graph's call) and the number of guards of each frame Dynamo compiled. Then, without the
+profiler, the median offset at which the first compiled graph is entered over ``--calls`` steps, for
+this step and for the form of ``hf_clients.py``'s baseline (``torch.compile`` of the loss; backward,
+clip and fused AdamW eager) on a fresh model of the same shape, bf16 as this one (the benchmark's
+baseline keeps fp32 weights under autocast). Writes them as JSON with ``--out``.
 ``python benchmarks/step_host_time.py --out benchmarks/results/step_host_time_cpu.json``
 """
 
@@ -20,6 +20,7 @@ import time
 
 import torch
 import transformers
+from hf_clients import make_step
 from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 from torch._inductor.output_code import CompiledFxGraph
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -38,22 +39,15 @@ def main():
     config, model = _llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    @flash_inductor.train_step(model=model, optimizer=optimizer)
-    def step(x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
+    step = flash_inductor.train_step(make_step(_loss(model), model.parameters(), optimizer, clip=1.0), model=model,
+                                     optimizer=optimizer)
     x = torch.randint(0, config.vocab_size, (1, 16))
     guards = _guards_by_frame(step, x)
     for _ in range(3):  # warm
-        step(x)
+        step(x, x)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("step"):
-            step(x)
+            step(x, x)
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
     start = next(e for e in events if e.name == "step").time_range.start
     first = {}
@@ -68,16 +62,8 @@ def main():
 
     _, baseline_model = _llama()
     baseline_optimizer = torch.optim.AdamW(baseline_model.parameters(), lr=1e-3, fused=True)
-    baseline_loss = torch.compile(lambda x: baseline_model(input_ids=x, labels=x).loss)
-
-    def baseline_step(x):
-        loss = baseline_loss(x)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(baseline_model.parameters(), 1.0)
-        baseline_optimizer.step()
-        baseline_optimizer.zero_grad()
-        return loss
-
+    baseline_step = make_step(torch.compile(_loss(baseline_model)), baseline_model.parameters(), baseline_optimizer,
+                              clip=1.0)
     unprofiled = {name: _first_graph_offset_us(run, x, args.calls)
                   for name, run in (("train_step", step), ("baseline", baseline_step))}
     print(f"without the profiler, medians over {args.calls} steps each:")
@@ -89,6 +75,10 @@ def main():
                            calls=args.calls, first_graph_us_without_profiler=unprofiled), f, indent=1)
 
 
+def _loss(model):
+    return lambda x, y: model(input_ids=x, labels=y).loss
+
+
 def _llama():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
@@ -97,7 +87,7 @@ def _llama():
 
 
 def _first_graph_offset_us(run, x, calls):
-    """The median over ``calls`` steps of ``run(x).item()`` of when the first compiled (Inductor) graph
+    """The median over ``calls`` steps of ``run(x, x).item()`` of when the first compiled (Inductor) graph
     is entered after the step begins, in µs. The graph's call is wrapped to stamp the time; Dynamo is
     told to run the wrapper as it is, not to compile it."""
     stamps = []
@@ -109,14 +99,14 @@ def _first_graph_offset_us(run, x, calls):
 
     set_code_exec_strategy(stamped.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
     for _ in range(5):  # compile and warm
-        run(x).item()
+        run(x, x).item()
     first = []
     CompiledFxGraph.__call__ = stamped
     try:
         for _ in range(calls):
             stamps.clear()
             start = time.perf_counter_ns()
-            run(x).item()
+            run(x, x).item()
             first.append(stamps[0] - start)
     finally:
         CompiledFxGraph.__call__ = call
@@ -124,7 +114,7 @@ def _first_graph_offset_us(run, x, calls):
 
 
 def _guards_by_frame(step, x):
-    """The number of leaf guards of each frame Dynamo compiles in ``step(x)``'s first call, read off the
+    """The number of leaf guards of each frame Dynamo compiles in ``step(x, x)``'s first call, read off the
     guard trees it logs (one record a line, each tree opened by a "GUARDS:" line)."""
     import logging
 
@@ -143,7 +133,7 @@ def _guards_by_frame(step, x):
     logger.addHandler(handler)
     torch._logging.set_logs(guards=True)
     try:
-        step(x)
+        step(x, x)
     finally:
         torch._logging.set_logs()
         logger.removeHandler(handler)
