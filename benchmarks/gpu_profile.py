@@ -23,7 +23,7 @@ def _profiled(fn, calls, cpu):
 
 def kernel_times(fn, top=4):
     """The ``top`` GPU kernels of one call of ``fn`` by total time: (name's last 48 characters, calls, µs)."""
-    events = [e for e in _profiled(fn, 1, cpu=False).key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events = _device_work(_profiled(fn, 1, cpu=False).key_averages())
     events.sort(key=lambda e: -e.device_time_total)
     return [(e.key[-48:], e.count, round(e.device_time_total, 1)) for e in events[:top]]
 
@@ -42,20 +42,30 @@ def step_profile(fn, calls=5, top=25):
     wall_ms = (time.perf_counter() - t0) * 1e3 / calls
     raw = _profiled(fn, calls, cpu=True)
     events = raw.key_averages()
-    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: -e.device_time_total)
+    gpu = sorted(_device_work(events), key=lambda e: -e.device_time_total)
     cpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU), key=lambda e: -e.self_cpu_time_total)
 
     def rows(chosen, total):
         return [(e.key[-100:], e.count // calls, round(total(e) / calls, 1)) for e in chosen[:top]]
 
-    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in raw if e.device_type == torch.autograd.DeviceType.CUDA]
-    steps = [gpu_idle(e.time_range.start, e.time_range.end, kernels) for e in raw if e.name == _STEP]
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in _device_work(raw)]
+    steps = [gpu_idle(e.time_range.start, e.time_range.end, kernels) for e in raw
+             if e.name == _STEP and e.device_type == torch.autograd.DeviceType.CPU]
     idle = {key: round(statistics.median(s[key] for s in steps), 1)
             for key in ("before_first_kernel_us", "within_us", "after_last_kernel_us")}
     idle["gaps"] = steps[0]["gaps"]
     return dict(wall_ms=round(wall_ms, 3), gpu_busy_ms=round(sum(e.device_time_total for e in gpu) / calls / 1e3, 3),
                 gpu_kernels=rows(gpu, lambda e: e.device_time_total), cpu_self=rows(cpu, lambda e: e.self_cpu_time_total),
                 gpu_idle=idle)
+
+
+def _device_work(events):
+    """The events (or their averages) of work on the GPU: kernels, copies and sets. Not the ranges that
+    ``record_function`` marks on the GPU's timeline as well (``profiled step``, the optimizer's step),
+    which Kineto lists among the device's events: each spans kernels counted already, and a step's
+    range would cover all its gaps."""
+    annotations = {e.key for e in events if getattr(e, "is_user_annotation", False)}
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in annotations]
 
 
 def gpu_idle(start, end, kernels, largest=5):

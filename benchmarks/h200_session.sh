@@ -142,7 +142,8 @@
 #              nn.TransformerEncoderLayer's attention projections as FP8 GEMMs; TESTS a -k selection),
 #              linears (forward + backward of the Llama's linears: bf16, ours tensorwise and row-wise, torchao's two
 #              recipes), speed (the Llama, is_causal, 40 steps: the baseline against FP8 + fast accumulation + cudagraphs,
-#              tensorwise and row-wise; CONFIGS picks rows, LIMIT the seconds, PROFILE=N profiles N steps of each),
+#              tensorwise and row-wise; CONFIGS picks rows, LIMIT the seconds, PROFILE=N profiles N steps of each,
+#              PROFILE_TOP=K lists its K slowest kernels),
 #              profile (row-wise alone, 20 steps back to back, 3 profiled), layers2 (the Llama cut to 2 layers,
 #              tensorwise and row-wise in one process, or the rows of CONFIGS, e.g. with +multikernel for
 #              persistent reductions; every kernel of 3 profiled steps; LIMIT the seconds). SUFFIX names
@@ -629,7 +630,7 @@ case $stage in
       speed)
         logged "hf_clients_llama_rowwise${SUFFIX:-}_$card" "${LIMIT:-560}" hf_clients.py --model llama --attention is_causal \
           --configs "${CONFIGS:-baseline,flashoptim_fp8+fastaccum+cudagraphs,flashoptim_fp8+rowwise+fastaccum+cudagraphs}" \
-          --steps 40 --log-every 20 --pipelined 20 --profile "${PROFILE:-0}" ;;
+          --steps 40 --log-every 20 --pipelined 20 --profile "${PROFILE:-0}" --profile-top "${PROFILE_TOP:-25}" ;;
       profile)
         logged "hf_clients_llama_rowwise_profile${SUFFIX:-}_$card" 560 hf_clients.py --model llama \
           --attention is_causal --configs flashoptim_fp8+rowwise+fastaccum+cudagraphs --steps 20 --log-every 10 \

@@ -4,6 +4,7 @@ grid of microseconds (CPU: the intervals are made up; the profiler's events feed
 import random
 
 import pytest
+import torch
 
 from helpers import benchmark_module
 
@@ -41,3 +42,19 @@ def test_a_gap_names_the_kernels_around_it_and_where_it_falls():
     idle = gpu_profile.gpu_idle(0, 100, kernels)
     assert idle["before_first_kernel_us"] == 10 and idle["after_last_kernel_us"] == 5
     assert idle["gaps"] == [(40, 50, "other stream", "optimizer")]
+
+
+def test_the_gpu_work_leaves_out_the_ranges_record_function_marks_on_the_gpu():
+    """Kineto lists a ``record_function`` range twice, on the CPU flagged as a user annotation and on
+    the GPU's timeline as a device event of the same name; only kernels, copies and sets are work."""
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, device_type, annotation=False):
+        return SimpleNamespace(key=name, name=name, device_type=device_type, is_user_annotation=annotation)
+
+    events = [event("profiled step", cpu, True), event("profiled step", cuda), event("Optimizer.step#AdamW.step", cpu, True),
+              event("Optimizer.step#AdamW.step", cuda), event("_adam_kernel", cuda), event("Memset (Unknown)", cuda),
+              event("aten::mm", cpu), event("nvjet_sm90_tst", cuda)]
+    assert [e.name for e in gpu_profile._device_work(events)] == ["_adam_kernel", "Memset (Unknown)", "nvjet_sm90_tst"]
