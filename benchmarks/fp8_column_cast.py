@@ -155,7 +155,7 @@ def main():
     shapes = [(64, 48), (200, 40), (33, 17)] if interpreted else SHAPES
     results = dict(checks=[check(shape, device, reference) for shape in shapes], timings=[])
     for row in results["checks"]:
-        print(f"{str(tuple(row['shape'])):>14}  differing bytes {row['differing_bytes']}  differing scales {row['differing_scales']}")
+        print(f"{str(tuple(row['shape'])):>14}  differing bytes {row['differing_bytes']}  scales {row['differing_scales']}")
     if not (args.check_only or interpreted):
         results["device"] = torch.cuda.get_device_name()
         for shape in SHAPES:
