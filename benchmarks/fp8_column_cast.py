@@ -1,20 +1,19 @@
-"""A cast by columns in one kernel, against row-wise FP8's cast by columns today (a prototype, measured
-before it goes into ``flash_inductor``).
+"""Row-wise FP8's cast by columns in one kernel (``fp8_transpose.cast_by_columns_transposed``) against
+the two it replaced, and the block shapes of its programs.
 
 Row-wise scaling casts each operand that a GEMM sums over the rows by columns: the weight for the input
-gradient's GEMM, the input and the output gradient for the weight gradient's. Today that is
-``fp8_linear._quantize_columns``: Inductor's reduction of each column's amax (a split reduction over
-the rows, then its finish) and ``fp8_transpose``'s kernel, which casts as it transposes: the bf16 tensor
-is read from memory twice. Here one kernel does both: each program takes a block of columns, passes over
-all their rows for the amax, computes the power-of-two scale (``formats.fp8.scale_from_amax``'s
-formula, without a division), and passes again to cast and store the block transposed. The second
-pass finds its rows in L2 when the programs running at once hold less than L2 (``8192 x 16`` bf16
-columns each: 256 KiB, 33 MiB for 132 programs), so the tensor is read from memory once.
+gradient's GEMM, the input and the output gradient for the weight gradient's. Before, that was a
+reduction of Inductor's for each column's amax (a split reduction over the rows, then its finish) and
+``fp8_transpose``'s ``transpose_kernel``, which casts as it transposes: the bf16 tensor read from memory
+twice (``before`` below). Now one kernel does both: each program takes a block of columns, passes over
+all their rows for the amax, computes the power-of-two scale, and passes again to cast and store the
+block transposed. The second pass finds its rows in L2 when the programs running at once hold less
+than L2, so the tensor is read from memory once.
 
-On a GPU it checks the bits against ``_quantize_columns`` (compiled, as the model runs it) on shapes
-of HF Llama-1B's layer and on values that reach every case of the scale (zero columns, an inf, a nan,
-the largest and smallest amaxes), then times both, each of a few block shapes, and a plain cast of
-the same tensor (one read, one write: the bandwidth bound)::
+On a GPU it checks the bits against ``before`` (compiled, as the model ran it) on the shapes of HF
+Llama-1B's layer and on values that reach every case of the scale (zero columns, an inf, a nan, the
+largest and smallest amaxes), then times both, the kernel at a few block shapes, and a plain cast of
+the same tensor (one read, one write: the bound)::
 
     python benchmarks/fp8_column_cast.py --out benchmarks/results/fp8_column_cast_h200.json
 
@@ -26,73 +25,33 @@ torch's cast and the GPU's ``cvt.rn`` give 3.0).
 """
 
 import argparse
-import functools
 import json
 import os
 import statistics
 
 import torch
 
-from flash_inductor import fp8_linear
+from flash_inductor import fp8_linear, fp8_transpose
 from flash_inductor.formats import fp8
 
 # (rows, columns) cast by columns in one Llama-1B layer (8192 tokens): inputs and output gradients of
 # 2048 and 5632 features, and the weights (N x K) whose columns the input gradient's GEMM sums over
 SHAPES = [(8192, 2048), (8192, 5632), (5632, 2048), (2048, 5632), (2048, 2048)]
-# (columns a program, rows a step of its loops, warps)
-BLOCKS = [(16, 256, 4), (16, 512, 8), (32, 256, 4), (32, 128, 4), (64, 128, 8)]
+# (columns a program, rows a step of its loops, warps); the first is the default
+BLOCKS = [(fp8_transpose.COLUMN_BLOCK, fp8_transpose.ROW_BLOCK, fp8_transpose.COLUMN_WARPS),
+          (16, 512, 8), (32, 256, 4), (32, 128, 4), (64, 128, 8), (8, 512, 4)]
 
 
-@functools.cache
-def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def cast_columns_kernel(src, dst, scales, rows, cols, MAX_EXPONENT: tl.constexpr, MANTISSA_OF_1_75: tl.constexpr,
-                            FLOOR: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        in_cols = c < cols
-        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-        has_nan = tl.zeros([BLOCK_C], dtype=tl.int32)
-        for r0 in range(0, rows, BLOCK_R):
-            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-            inside = (r[:, None] < rows) & in_cols[None, :]
-            x = tl.load(src + r[:, None] * cols + c[None, :], mask=inside, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-            has_nan = tl.maximum(has_nan, tl.max((x != x).to(tl.int32), axis=0))
-        # formats.fp8._power_of_two_scale of max(amax, AMAX_FLOOR): 2 ** floor(log2(fp8_max / a)) from a's bits
-        a = tl.maximum(amax, FLOOR)
-        bits = a.to(tl.int32, bitcast=True)
-        exponent = (bits >> 23) & 0xFF
-        above_1_75 = ((bits & 0x7FFFFF) > MANTISSA_OF_1_75).to(tl.int32)
-        scale = ((2 * 127 + MAX_EXPONENT - exponent - above_1_75) << 23).to(tl.float32, bitcast=True)
-        scale = tl.where(exponent == 0xFF, 0.0, scale)  # an infinite amax: scale 0, as fp8_max / inf
-        scale = tl.where(has_nan > 0, float("nan"), scale)
-        tl.store(scales + c, scale, mask=in_cols)
-        for r0 in range(0, rows, BLOCK_R):
-            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-            inside = (r[:, None] < rows) & in_cols[None, :]
-            x = tl.load(src + r[:, None] * cols + c[None, :], mask=inside, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            y = (x * scale[None, :]).to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
-            tl.store(dst + c[None, :].to(tl.int64) * rows + r[:, None], y, mask=inside)
-
-    return cast_columns_kernel
+def before(t):
+    """The cast by columns as ``fp8_linear._quantize_columns`` made it before: Inductor's column amax and
+    scale, then ``transpose_fp8`` casting as it copies."""
+    scale = fp8_linear._row_scales(t.t())
+    return fp8_transpose.transpose_fp8(t, scale.t(), fp8.E4M3), fp8.inverse_scale(scale)
 
 
 def cast_columns(t, block=BLOCKS[0]):
-    """``_quantize_columns(t)``'s ``(t cast by columns in e4m3, transposed; the inverse scales (cols, 1))``
-    in one kernel."""
-    block_c, block_r, warps = block
-    rows, cols = t.shape
-    out = torch.empty((cols, rows), dtype=fp8.E4M3, device=t.device)
-    scales = torch.empty((cols,), dtype=torch.float32, device=t.device)
-    _kernel()[(-(-cols // block_c),)](t, out, scales, rows, cols, MAX_EXPONENT=fp8._MAX_EXPONENT[fp8.E4M3],
-                                      MANTISSA_OF_1_75=fp8._MANTISSA_OF_1_75, FLOOR=fp8.AMAX_FLOOR,
-                                      BLOCK_C=block_c, BLOCK_R=block_r, num_warps=warps)
-    return out, fp8.inverse_scale(scales[:, None])
+    out, scale = fp8_transpose._cast_by_columns(t, fp8.E4M3, block)
+    return out, fp8.inverse_scale(scale[:, None])
 
 
 def _test_values(rows, cols, device, seed=0):
@@ -110,33 +69,52 @@ def _test_values(rows, cols, device, seed=0):
     return t.to(torch.bfloat16).to(device)
 
 
-def check(shape, device, reference):
+def check(shape, device, reference, product):
+    """Bytes and inverse scales that differ from ``reference``'s: of the kernel, and of ``product``
+    (``fp8_linear._quantize_columns``, compiled on a GPU: the op as Inductor launches it)."""
     t = _test_values(*shape, device)
     want, want_inv = reference(t)
-    got, got_inv = cast_columns(t)
-    return dict(shape=list(shape), differing_bytes=int((got.view(torch.uint8) != want.view(torch.uint8)).sum()),
-                differing_scales=int((got_inv.view(torch.int32) != want_inv.view(torch.int32)).sum()))
+    row = dict(shape=list(shape))
+    for name, (got, got_inv) in (("kernel", cast_columns(t)), ("product", product(t))):
+        row[f"{name}_differing_bytes"] = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
+        row[f"{name}_differing_scales"] = int((got_inv.view(torch.int32) != want_inv.view(torch.int32)).sum())
+    return row
 
 
-def _median_us(fn, reps=50):
+def _graph_us(fn, calls):
+    """GPU µs of ``calls`` calls of ``fn`` captured in a CUDA graph and replayed (no launch gaps), median
+    of 10 replays."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        fn()
     times = []
-    for _ in range(reps):
+    for _ in range(10):
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
 
 
+def _median_us(fn, calls=20):
+    """GPU µs of one call of ``fn`` with L2 emptied before it (a 256 MiB write, timed alone and taken
+    off), as a tensor a kernel before it wrote in the model is partly in L2 and partly not."""
+    flush = torch.empty(64 << 20, dtype=torch.float32, device="cuda")
+    for _ in range(3):  # (compiled, autotuned, allocated before capture)
+        fn()
+    torch.cuda.synchronize()
+    flushed = _graph_us(lambda: (flush.zero_(), fn()), calls)
+    return (flushed - _graph_us(flush.zero_, calls)) / calls
+
+
 def time_shape(shape):
     t = torch.randn(shape, device="cuda").to(torch.bfloat16)
-    today = torch.compile(fp8_linear._quantize_columns)
+    compiled_before = torch.compile(before)
     plain_cast = torch.compile(lambda t: t.to(fp8.E4M3))  # one read of bf16, one write of e4m3
-    row = dict(shape=list(shape), mb_bf16=t.numel() * 2 / 2**20, today_us=_median_us(lambda: today(t)),
+    row = dict(shape=list(shape), mb_bf16=t.numel() * 2 / 2**20, before_us=_median_us(lambda: compiled_before(t)),
                plain_cast_us=_median_us(lambda: plain_cast(t)))
     for block in BLOCKS:
         row[f"one_kernel_{block[0]}x{block[1]}w{block[2]}_us"] = _median_us(lambda: cast_columns(t, block))
@@ -150,12 +128,13 @@ def main():
     args = parser.parse_args()
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     device = "cpu" if interpreted else "cuda"
-    # On the CPU _quantize_columns is the reference's formula, cast and copy (fp8_transpose's CPU path).
-    reference = fp8_linear._quantize_columns if interpreted else torch.compile(fp8_linear._quantize_columns)
+    reference = before if interpreted else torch.compile(before)
+    product = fp8_linear._quantize_columns if interpreted else torch.compile(fp8_linear._quantize_columns)
     shapes = [(64, 48), (200, 40), (33, 17)] if interpreted else SHAPES
-    results = dict(checks=[check(shape, device, reference) for shape in shapes], timings=[])
+    results = dict(checks=[check(shape, device, reference, product) for shape in shapes], timings=[])
     for row in results["checks"]:
-        print(f"{str(tuple(row['shape'])):>14}  differing bytes {row['differing_bytes']}  scales {row['differing_scales']}")
+        print(f"{str(tuple(row['shape'])):>14}  differing from before: " + "  ".join(f"{k} {v}" for k, v in row.items()
+                                                                                    if k != "shape"))
     if not (args.check_only or interpreted):
         results["device"] = torch.cuda.get_device_name()
         for shape in SHAPES:
