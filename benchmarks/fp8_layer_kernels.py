@@ -59,9 +59,6 @@ CONFIGURATIONS = {
     # the same with casts by columns and the rows' rescale as kernels of their own before their transposes
     # (before the forty-second session)
     "rowwise-tensorwise-dw-before": dict(rowwise=True, tensorwise_weight_gradient=True),
-    # casts by columns as Inductor's column amax, then transpose_fp8 casting as it copies (before the
-    # forty-fifth session's cast_by_columns_transposed)
-    "rowwise-columns-before": dict(rowwise=True),
 }
 
 
@@ -82,27 +79,6 @@ def _(t, scale=None, dtype=None):
     return t.new_empty(t.shape[1], t.shape[0], dtype=dtype or t.dtype)
 
 
-@torch.library.custom_op("fp8_layer_kernels::cast_by_columns", mutates_args=())
-def _cast_by_columns_placeholder(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from flash_inductor import fp8_transpose
-
-    return fp8_transpose.cast_by_columns_transposed(t, dtype)  # (the CPU's)
-
-
-@_cast_by_columns_placeholder.register_fake
-def _(t, dtype):
-    return t.new_empty(t.shape[1], t.shape[0], dtype=dtype), t.new_empty(t.shape[1], dtype=torch.float32)
-
-
-def _columns_before(t):
-    """``fp8_linear._quantize_columns`` before the forty-fifth session, with the placeholder transpose."""
-    from flash_inductor import fp8_linear
-    from flash_inductor.formats import fp8
-
-    scale = fp8_linear._row_scales(t.t())
-    return _transpose_placeholder(t, scale.t(), fp8.E4M3), fp8.inverse_scale(scale)
-
-
 @contextlib.contextmanager
 def _fp8_linear_as_on_cuda(configuration):
     """fp8_linear's CUDA code while tracing on the CPU: ``_scaled_mm`` itself, ``transpose_fp8`` as the
@@ -112,15 +88,12 @@ def _fp8_linear_as_on_cuda(configuration):
     from flash_inductor import fp8_linear as module
     from flash_inductor.formats import fp8
 
-    saved = module._scaled_mm, module.transpose_fp8, module.cast_by_columns_transposed, module._quantize_columns
+    saved = module._scaled_mm, module.transpose_fp8, module._quantize_columns
     module._scaled_mm = lambda a, a_inv, b_t, b_inv, fast_accum=False: torch._scaled_mm(
         a, b_t, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
     module.transpose_fp8 = _transpose_placeholder
-    module.cast_by_columns_transposed = _cast_by_columns_placeholder
     if configuration == "rowwise-before":
         module._quantize_columns = lambda t: module._quantize_rows(t.t())
-    if configuration == "rowwise-columns-before":
-        module._quantize_columns = _columns_before
     if configuration == "rowwise-tensorwise-dw-before":
         # the cast a kernel of Inductor's, the copy moving its FP8 bytes
         module.transpose_fp8 = lambda t, scale=None, dtype=None: _transpose_placeholder(
@@ -128,7 +101,7 @@ def _fp8_linear_as_on_cuda(configuration):
     try:
         yield
     finally:
-        module._scaled_mm, module.transpose_fp8, module.cast_by_columns_transposed, module._quantize_columns = saved
+        module._scaled_mm, module.transpose_fp8, module._quantize_columns = saved
 
 
 def _layer(options):
@@ -270,8 +243,6 @@ def _cuda_code(graph_module, fp8_option, disable=()):
         def call_function(self, target, args, kwargs):
             if target is torch.ops.fp8_layer_kernels.transpose.default:
                 return fp8_transpose.transpose_fp8(*args)
-            if target is torch.ops.fp8_layer_kernels.cast_by_columns.default:
-                return fp8_transpose.cast_by_columns_transposed(*args)
             kwargs = {k: torch.device("cuda") if k == "device" else v for k, v in kwargs.items()}
             return super().call_function(target, args, kwargs)
 

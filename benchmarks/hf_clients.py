@@ -69,9 +69,6 @@ A flashoptim row takes modifiers, backend or ``prepare`` options joined to its n
                         each pick is printed with both forms' timings
     +copygrads          the step copies every gradient into the flat buffers before its kernel runs, as it did
                         before the hand-written kernel read them where the backward left them (an A/B of that)
-    +columnsbefore      with +rowwise: its casts by columns as before the forty-fifth session, Inductor's
-                        column amax and then fp8_transpose's cast as it copies (the tensor read twice), in place
-                        of cast_by_columns_transposed's one kernel (an A/B of that; benchmarks/fp8_column_cast.py)
     +emulate_NAME       fp32 states (as +fp32states) rounded after every step through the format NAME of
                         state_candidates.py (e.g. root4_v): a state format's effect on training, measured
                         before its kernels exist
@@ -140,10 +137,9 @@ import torch
 import torch.nn.functional as F
 
 import flash_inductor
-from flash_inductor import fp8_linear, triton_adam
+from flash_inductor import triton_adam
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from fp8_column_cast import before as COLUMNS_BEFORE  # noqa: E402
 from gpu_profile import print_profile, step_profile  # noqa: E402
 from snapshot_analysis import analyse_blocks, analyse_snapshot, format_analysis, live_blocks, peak_blocks, python_tensor_storages  # noqa: E402
 from state_candidates import CANDIDATES as STATE_CANDIDATES  # noqa: E402
@@ -443,7 +439,6 @@ MODIFIERS = {
     "buckets": dict(bucket_numel=1 << 26),
     "chunkedloss": dict(loss_chunk_rows=1024),
     "copygrads": dict(copy_gradients=True),
-    "columnsbefore": dict(columns_before=True),
     "recompute": dict(recompute_elementwise=True),
     "exactdiv": dict(inductor={"eager_numerics.division_rounding": True}),
     "multikernel": dict(inductor={"triton.multi_kernel": 1}),
@@ -482,7 +477,6 @@ def parse_configuration(name):
 
 
 UNREADABLE_GRADIENT = triton_adam.unreadable_gradient
-QUANTIZE_COLUMNS = fp8_linear._quantize_columns
 
 
 def _copy_every_gradient(grad, view):
@@ -495,8 +489,6 @@ def build(name, args, device):
     emulated_states = options.pop("emulate_states", None)
     # rows run one after the other: each sets how the step takes its gradients (+copygrads)
     triton_adam.unreadable_gradient = _copy_every_gradient if options.pop("copy_gradients", False) else UNREADABLE_GRADIENT
-    # and how row-wise casts by columns (+columnsbefore), read when its first step compiles
-    fp8_linear._quantize_columns = COLUMNS_BEFORE if options.pop("columns_before", False) else QUANTIZE_COLUMNS
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = build_model(args.model, args.config)

@@ -48,7 +48,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from flash_inductor.formats import fp8
 from flash_inductor.formats.fp8_weight import Fp8Weight
-from flash_inductor.fp8_transpose import cast_by_columns_transposed, transpose_fp8
+from flash_inductor.fp8_transpose import transpose_fp8
 
 _FP8_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -168,13 +168,12 @@ def _rows_as_one_scale_transposed(t_fp8, t_inv):
 
 
 def _quantize_columns(t):
-    """``_quantize_rows(t.t())``, the same bits: each column's amax, scale and cast in one kernel that
-    reads ``t`` where it is stored and writes it transposed (``fp8_transpose.cast_by_columns_transposed``).
-    Cast through ``t.t()`` directly, Inductor stores the transposed bytes from the kernel that produces
-    ``t``, an RMSNorm's forward or backward among them, a column apart per row (the slow kernels
-    ``fp8_transpose`` describes)."""
-    t_fp8, scale = cast_by_columns_transposed(t, fp8.E4M3)
-    return t_fp8, fp8.inverse_scale(scale[:, None])
+    """``_quantize_rows(t.t())``, the same bits: each column cast with its own scale as ``transpose_fp8``
+    copies ``t`` where it is stored. Cast through ``t.t()`` directly, Inductor stores the
+    transposed bytes from the kernel that produces ``t``, an RMSNorm's forward or backward among
+    them, a column apart per row (the slow kernels ``fp8_transpose`` describes)."""
+    scale = _row_scales(t.t())
+    return transpose_fp8(t, scale.t(), fp8.E4M3), fp8.inverse_scale(scale)
 
 
 def _refuse_what_cuda_refuses(a, a_inv_scale, b_t, b_inv_scale):

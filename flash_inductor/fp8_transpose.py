@@ -65,63 +65,16 @@ def _kernel():
     return transpose_kernel
 
 
-@functools.cache
-def _cast_by_columns_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def cast_by_columns_kernel(src, dst, scales, rows, cols, MAX_EXPONENT: tl.constexpr, MANTISSA_OF_1_75: tl.constexpr,
-                               FLOOR: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        in_cols = c < cols
-        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-        has_nan = tl.zeros([BLOCK_C], dtype=tl.int32)
-        for r0 in range(0, rows, BLOCK_R):  # the columns' amax; their rows stay in L2 for the second pass
-            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-            inside = (r[:, None] < rows) & in_cols[None, :]
-            x = tl.load(src + r[:, None] * cols + c[None, :], mask=inside, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-            has_nan = tl.maximum(has_nan, tl.max((x != x).to(tl.int32), axis=0))
-        # formats.fp8.scale_from_amax(amax, power_of_two=True), its formula on the bits of max(amax, AMAX_FLOOR)
-        # (_power_of_two_scale): no division; an infinite amax gives 0 and a nan gives nan
-        a = tl.maximum(amax, FLOOR)
-        bits = a.to(tl.int32, bitcast=True)
-        exponent = (bits >> 23) & 0xFF
-        above_1_75 = ((bits & 0x7FFFFF) > MANTISSA_OF_1_75).to(tl.int32)
-        scale = ((2 * 127 + MAX_EXPONENT - exponent - above_1_75) << 23).to(tl.float32, bitcast=True)
-        scale = tl.where(exponent == 0xFF, 0.0, scale)
-        scale = tl.where(has_nan > 0, float("nan"), scale)
-        tl.store(scales + c, scale, mask=in_cols)
-        for r0 in range(0, rows, BLOCK_R):
-            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-            inside = (r[:, None] < rows) & in_cols[None, :]
-            x = tl.load(src + r[:, None] * cols + c[None, :], mask=inside, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            # rounded as transpose_kernel rounds (cvt.rn.satfinite)
-            y = (x * scale[None, :]).to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
-            tl.store(dst + c[None, :].to(tl.int64) * rows + r[:, None], y, mask=inside)
-
-    return cast_by_columns_kernel
-
-
-def _kernels():
-    return _kernel(), _cast_by_columns_kernel()
-
-
 def transpose_calls(graph):
-    """The calls of this module's kernels (``transpose_kernel``, ``cast_by_columns_kernel``) in a
-    post-grad graph: AOTAutograd turns each ``transpose_fp8`` or ``cast_by_columns_transposed`` into a
-    ``triton_kernel_wrapper_functional`` node that names the kernel by its side-table index. Each reads
-    its input as ``src``."""
+    """The calls of ``transpose_kernel`` in a post-grad graph: AOTAutograd turns each ``transpose_fp8``
+    into a ``triton_kernel_wrapper_functional`` node that names the kernel by its side-table index."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
 
     calls = [n for n in graph.nodes if n.op == "call_function" and n.target is triton_kernel_wrapper_functional]
     if not calls:  # (Triton is imported only when there are Triton calls)
         return []
-    kernels = _kernels()
-    return [n for n in calls if kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) in kernels]
+    kernel = _kernel()
+    return [n for n in calls if kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) is kernel]
 
 
 def transpose_fp8(t: torch.Tensor, scale: Optional[torch.Tensor] = None,
@@ -152,41 +105,6 @@ def transpose_fp8(t: torch.Tensor, scale: Optional[torch.Tensor] = None,
     return out
 
 
-# A program's block of columns (16 bf16: one 32-byte sector a row) and the rows of each step of its loops:
-# the 128 to 352 programs of the Llama's tensors hold 256 KiB each, together less than L2.
-COLUMN_BLOCK, ROW_BLOCK, COLUMN_WARPS = 16, 256, 4
-
-
-def cast_by_columns_transposed(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t cast to the FP8 dtype by columns, transposed; the scales, fp32 (cols,))`` for a 2-D ``t``:
-    each column ``j`` cast with ``scale[j] = formats.fp8.scale_from_amax(max |t[:, j]|, power_of_two=True)``,
-    as ``transpose_fp8(t, scale[None, :], dtype)``, the same bits.
-
-    On CUDA in one kernel of its own: each program takes a block of columns, passes over their rows for
-    the amax, then again to cast and store them transposed; the second pass finds the rows in L2, so
-    the tensor is read from memory once, where a reduction of Inductor's and ``transpose_fp8`` read it
-    twice (``benchmarks/fp8_column_cast.py``)."""
-    if dtype not in (fp8.E4M3, fp8.E5M2):
-        raise ValueError(f"cast_by_columns_transposed: dtype must be an FP8 type, got {dtype}")
-    if t.device.type != "cuda" or not _compat.HAS_TRITON:
-        scale = fp8.scale_from_amax(fp8.row_amax(t.t()), dtype, power_of_two=True)
-        return transpose_fp8(t, scale.t(), dtype), scale.reshape(-1)
-    return _cast_by_columns(t.contiguous(), dtype, (COLUMN_BLOCK, ROW_BLOCK, COLUMN_WARPS))
-
-
-def _cast_by_columns(t, dtype, block):
-    """``cast_by_columns_transposed``'s kernel on a contiguous CUDA ``t``, with ``block``: (columns a program,
-    rows a step of its loops, warps)."""
-    columns, step, warps = block
-    rows, cols = t.shape
-    out = torch.empty((cols, rows), dtype=dtype, device=t.device)
-    scales = torch.empty((cols,), dtype=torch.float32, device=t.device)
-    torch.library.wrap_triton(_cast_by_columns_kernel())[(-(-cols // columns),)](
-        t, out, scales, rows, cols, MAX_EXPONENT=fp8.MAX_EXPONENT[dtype], MANTISSA_OF_1_75=fp8.MANTISSA_OF_1_75,
-        FLOOR=fp8.AMAX_FLOOR, BLOCK_C=columns, BLOCK_R=step, num_warps=warps)
-    return out, scales
-
-
 def _check_scale(t, scale, dtype):
     if dtype not in (fp8.E4M3, fp8.E5M2):
         raise ValueError(f"transpose_fp8: a scale casts to FP8, but the output would be {dtype}")
@@ -198,5 +116,3 @@ def _check_scale(t, scale, dtype):
 
 if _compat.HAS_TRITON:  # (without Triton, registering it logs a warning at import)
     transpose_fp8 = torch.library.triton_op("flash_inductor::transpose_fp8", mutates_args=())(transpose_fp8)
-    cast_by_columns_transposed = torch.library.triton_op("flash_inductor::cast_by_columns_transposed",
-                                                         mutates_args=())(cast_by_columns_transposed)

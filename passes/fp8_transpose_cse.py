@@ -64,32 +64,31 @@ def fp8_transpose_cse_pass(graph: fx.Graph, ctx) -> tuple[fx.Graph, list[str]]:
         for getitem in list(duplicate.users):
             getitem.replace_all_uses_with(_output(new_graph, first, getitem.args[1]))
             new_graph.erase_node(getitem)
-        outputs = [duplicate.kwargs["kwargs"][name] for name in duplicate.kwargs["tensors_to_clone"]]
+        empty = duplicate.kwargs["kwargs"]["dst"]
         new_graph.erase_node(duplicate)
-        for empty in outputs:
-            new_graph.erase_node(empty)
+        new_graph.erase_node(empty)
     return new_graph, [duplicate.name for duplicate, _ in duplicates]
 
 
 def _key(node):
-    """What makes two calls of one of ``fp8_transpose``'s kernels equal, or None for a call whose outputs
-    (``dst``; ``scales`` too for ``cast_by_columns_kernel``) are not fresh buffers only it writes."""
+    """What makes two calls of ``transpose_kernel`` equal, or None for a call whose ``dst`` is not a
+    fresh buffer only it writes."""
     kwargs = node.kwargs
-    tensors, outputs = kwargs["kwargs"], kwargs["tensors_to_clone"]
-    for name in outputs:
-        out = tensors.get(name)
-        if not isinstance(out, fx.Node) or out.target not in _EMPTY or len(out.users) != 1:
-            return None
+    tensors = kwargs["kwargs"]
+    dst = tensors.get("dst")
+    if not isinstance(dst, fx.Node) or dst.target not in _EMPTY or len(dst.users) != 1:
+        return None
     if any(user.target is not operator.getitem for user in node.users):
         return None
     constants = kernel_side_table.get_constant_args(kwargs["constant_args_idx"])
     return (
         kwargs["kernel_idx"],
-        tuple(sorted((name, tensor) for name, tensor in tensors.items() if name not in outputs)),  # src, scale
+        tuple(sorted((name, tensor) for name, tensor in tensors.items() if name != "dst")),  # src, scale
         repr(kwargs["grid"]),
         repr(sorted(constants.items())),
-        *((name, tensors[name].target, repr(tensors[name].args), repr(sorted(tensors[name].kwargs.items())))
-          for name in sorted(outputs)),
+        dst.target,
+        repr(dst.args),
+        repr(sorted(dst.kwargs.items())),
     )
 
 

@@ -90,52 +90,6 @@ def test_cast_transposes_match_the_cpu_on_shapes_that_cut_tiles(shape, by):
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), source.dtype
 
 
-def _cast_by_columns_against_brute_force(t, device):
-    """``cast_by_columns_transposed(t)`` on ``device``: each column's scale against 2**floor(log2(448 /
-    amax)) in fp64 (amax at least 1e-12), its bytes against the nearest e4m3 codes of ``t * scale``."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    out, scale = fp8_transpose.cast_by_columns_transposed(t.to(device), torch.float8_e4m3fn)
-    assert out.shape == t.shape[::-1] and out.is_contiguous() and scale.shape == (t.shape[1],)
-    amax = t.to(torch.float64).abs().amax(dim=0).clamp(min=torch.tensor(1e-12, dtype=torch.float32).item())
-    expected_scale = 2.0 ** torch.floor(torch.log2(448.0 / amax))
-    assert torch.equal(scale.cpu().to(torch.float64), expected_scale), (scale, expected_scale)
-    expected = _nearest_even(t.to(torch.float64) * expected_scale, torch.float8_e4m3fn)
-    wrong = (out.cpu().t().view(torch.uint8) != expected).nonzero()
-    assert len(wrong) == 0, [(t[i, j].item(), expected_scale[j].item()) for i, j in wrong[:5].tolist()]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_cast_by_columns_scales_each_column_by_its_amax_and_rounds_every_bf16_value(device):
-    """``fp8_linear._quantize_columns``'s cast: column j holds every finite bf16 value up to a bound
-    (zeros past it), the bounds' mantissas on both sides of 1.75, where the power of two steps down."""
-    values = _every_finite_value(torch.bfloat16)
-    bounds = [2.0**-40, 1.0, 1.75, 1.7578125, 1.75 * 2**-6, 1.7578125 * 2**9, 448.0, 3.0e38, 1e-13]
-    t = torch.stack([torch.where(values.abs() <= bound, values, 0) for bound in bounds], dim=1)
-    _cast_by_columns_against_brute_force(t.contiguous(), device)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(8192, 2048), (300, 40), (5632, 2048), (17, 3)])
-def test_casts_by_columns_match_the_cpu_on_shapes_that_cut_blocks(shape):
-    """The kernel's blocks of columns and steps of rows cut by the edges, values of many magnitudes per
-    column; a column of zeros (its scale from the 1e-12 floor) and one with an inf (scale 0: its finite
-    values cast to 0, the inf to a NaN, as the CPU's cast makes of 0 * inf)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    g = torch.Generator().manual_seed(0)
-    t = torch.randn(shape, generator=g) * 2.0 ** torch.randint(-30, 30, (1, shape[1]), generator=g)
-    t[:, 0] = 0
-    t[shape[0] // 2, -1] = float("inf")
-    t = t.to(torch.bfloat16)
-    expected, expected_scale = fp8_transpose.cast_by_columns_transposed(t, torch.float8_e4m3fn)
-    got, scale = fp8_transpose.cast_by_columns_transposed(t.cuda(), torch.float8_e4m3fn)
-    assert torch.equal(scale.cpu(), expected_scale)
-    # (a NaN's code: positive 0x7F from the GPU, as from torch's CUDA cast; the CPU keeps the sign)
-    assert torch.equal(got.cpu().view(torch.uint8) & 0x7F, expected.view(torch.uint8) & 0x7F)
-    assert torch.equal(got.cpu()[:-1].view(torch.uint8), expected[:-1].view(torch.uint8))
-
-
 def test_scales_and_dtypes_are_checked():
     t = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="a scale casts to FP8, but the output would be torch.bfloat16"):
@@ -147,8 +101,6 @@ def test_scales_and_dtypes_are_checked():
         fp8_transpose.transpose_fp8(t, torch.ones(4, 1, dtype=torch.float64))
     with pytest.raises(ValueError, match="casting torch.bfloat16 to torch.float8_e4m3fn needs a scale"):
         fp8_transpose.transpose_fp8(t.to(torch.bfloat16), dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="dtype must be an FP8 type, got torch.bfloat16"):
-        fp8_transpose.cast_by_columns_transposed(t.to(torch.bfloat16), torch.bfloat16)
 
 
 def _sm90_ptx(src, scale, scale_rows=True):

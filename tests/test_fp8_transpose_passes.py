@@ -23,25 +23,19 @@ from flash_inductor.pipeline import PassContext
 FP8_ON, FP8_OFF = (PassContext({}, set(), Options(fp8=fp8)) for fp8 in ("tensorwise", None))
 
 
-def _call(graph, kernel, src, shape=(64, 32), dst_users=1, scale=None, scales_out=False):
+def _call(graph, kernel, src, shape=(64, 32), dst_users=1, scale=None):
     """``kernel(src, dst=empty(shape))`` as AOTAutograd writes a ``transpose_fp8`` call (with a tensor
-    ``scale``, as its casting form); its ``dst``. With ``scales_out``, a ``cast_by_columns_transposed``
-    call, which also writes ``scales=empty(shape[0])``: ``(dst, scales)``."""
+    ``scale``, as its casting form); its ``dst``."""
     dst = graph.call_function(torch.ops.aten.empty.memory_format, (list(shape),), {"dtype": torch.float8_e4m3fn})
     for _ in range(dst_users - 1):
         graph.call_function(torch.ops.aten.abs.default, (dst,))
-    outputs = {"dst": dst}
-    if scales_out:
-        outputs["scales"] = graph.call_function(torch.ops.aten.empty.memory_format, ([shape[0]],),
-                                                {"dtype": torch.float32})
     wrapper = graph.call_function(triton_kernel_wrapper_functional, kwargs={
         "kernel_idx": kernel_side_table.add_kernel(kernel),
         "constant_args_idx": kernel_side_table.add_constant_args({"rows": shape[1], "cols": shape[0], "BLOCK": 64}),
         "grid": [(1, 1, 1)], "tma_descriptor_metadata": {},
-        "kwargs": {"src": src, **({} if scale is None else {"scale": scale}), **outputs},
-        "tensors_to_clone": list(outputs)})
-    got = tuple(graph.call_function(operator.getitem, (wrapper, name)) for name in outputs)
-    return got if scales_out else got[0]
+        "kwargs": {"src": src, **({} if scale is None else {"scale": scale}), "dst": dst},
+        "tensors_to_clone": ["dst"]})
+    return graph.call_function(operator.getitem, (wrapper, "dst"))
 
 
 def _code(graph, kernels):
@@ -111,33 +105,6 @@ return (getitem, getitem, getitem_2, getitem_3, getitem_4, getitem_5, getitem)""
         returned = [n.name for n in new_graph.output_node().args[0]]
         self.assertEqual(returned, ["getitem", "getitem_1", "getitem_2", "getitem"])
 
-    def test_casts_by_columns_of_one_tensor_become_one_with_both_outputs(self):
-        """An input that several layers read (q, k and v projections) is cast by columns for each of their
-        weight gradients; the calls write the cast and its scales, and both are read from the first."""
-        transpose_kernel, by_columns_kernel = object(), object()
-        self._patch_kernel(transpose_kernel, by_columns_kernel)
-        graph = fx.Graph()
-        x, y = graph.placeholder("x"), graph.placeholder("y")
-        first = _call(graph, by_columns_kernel, x, scales_out=True)  # kept
-        again = _call(graph, by_columns_kernel, x, scales_out=True)  # merged into the first, both outputs
-        other = _call(graph, by_columns_kernel, y, scales_out=True)  # another source: kept
-        graph.output((*first, *again, *other))
-        new_graph, merged = fp8_transpose_cse_pass(graph, FP8_ON)
-        self.assertEqual(merged, ["triton_kernel_wrapper_functional_1"])
-        self.assertExpectedInline(_code(new_graph, ((by_columns_kernel, "BY_COLUMNS"),)), """\
-def forward(self, x, y):
-empty_memory_format = torch.ops.aten.empty.memory_format([64, 32], dtype = torch.float8_e4m3fn)
-empty_memory_format_1 = torch.ops.aten.empty.memory_format([64], dtype = torch.float32)
-triton_kernel_wrapper_functional = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = BY_COLUMNS, constant_args_idx = C, grid = [(1, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'src': x, 'dst': empty_memory_format, 'scales': empty_memory_format_1}, tensors_to_clone = ['dst', 'scales']);  x = empty_memory_format = empty_memory_format_1 = None
-getitem = triton_kernel_wrapper_functional['dst']
-getitem_1 = triton_kernel_wrapper_functional['scales'];  triton_kernel_wrapper_functional = None
-empty_memory_format_4 = torch.ops.aten.empty.memory_format([64, 32], dtype = torch.float8_e4m3fn)
-empty_memory_format_5 = torch.ops.aten.empty.memory_format([64], dtype = torch.float32)
-triton_kernel_wrapper_functional_2 = torch.ops.higher_order.triton_kernel_wrapper_functional(kernel_idx = BY_COLUMNS, constant_args_idx = C, grid = [(1, 1, 1)], tma_descriptor_metadata = {}, kwargs = {'src': y, 'dst': empty_memory_format_4, 'scales': empty_memory_format_5}, tensors_to_clone = ['dst', 'scales']);  y = empty_memory_format_4 = empty_memory_format_5 = None
-getitem_4 = triton_kernel_wrapper_functional_2['dst']
-getitem_5 = triton_kernel_wrapper_functional_2['scales'];  triton_kernel_wrapper_functional_2 = None
-return (getitem, getitem_1, getitem, getitem_1, getitem_4, getitem_5)""")
-
     def test_a_cast_that_is_transposed_is_read_through_a_view_that_stores_it_once(self):
         transpose_kernel, other_kernel = object(), object()
         self._patch_kernel(transpose_kernel)
@@ -195,7 +162,7 @@ return (abs_default, getitem, getitem_1, getitem_2, getitem_3)""")
         self.assertIs(unchanged, graph)
         self.assertEqual(none, [])
 
-    def _patch_kernel(self, *kernels):
-        original = fp8_transpose._kernels
-        fp8_transpose._kernels = lambda: kernels
-        self.addCleanup(setattr, fp8_transpose, "_kernels", original)
+    def _patch_kernel(self, kernel):
+        original = fp8_transpose._kernel
+        fp8_transpose._kernel = lambda: kernel
+        self.addCleanup(setattr, fp8_transpose, "_kernel", original)

@@ -84,9 +84,9 @@ E5M2 = torch.float8_e5m2
 AMAX_FLOOR = 1e-12
 HISTORY_LENGTH = 16
 _MAX = {E4M3: 448.0, E5M2: 57344.0}
-MAX_EXPONENT = {dtype: int(math.log2(m / 1.75)) for dtype, m in _MAX.items()}  # each max is 1.75 * 2**E
+_MAX_EXPONENT = {dtype: int(math.log2(m / 1.75)) for dtype, m in _MAX.items()}  # each max is 1.75 * 2**E
 _MANTISSA_BITS, _FP32_BIAS = 23, 127
-MANTISSA_OF_1_75 = 3 << 21  # the stored mantissa bits of 1.75 (binary 1.11)
+_MANTISSA_OF_1_75 = 3 << 21  # the stored mantissa bits of 1.75 (binary 1.11)
 _SMALLEST_NORMAL = 2.0**-126
 _SUBNORMAL_LIFT = 64  # 2**64 * (smallest fp32 subnormal, 2**-149) is a normal number
 
@@ -160,8 +160,8 @@ def _power_of_two_scale(a, dtype):
     """
     bits = a.view(torch.int32)
     exponent = (bits >> _MANTISSA_BITS) & 0xFF  # biased; 255 for inf and nan
-    above_1_75 = (bits & ((1 << _MANTISSA_BITS) - 1)) > MANTISSA_OF_1_75
-    scale_exponent = 2 * _FP32_BIAS + MAX_EXPONENT[dtype] - exponent - above_1_75.to(torch.int32)
+    above_1_75 = (bits & ((1 << _MANTISSA_BITS) - 1)) > _MANTISSA_OF_1_75
+    scale_exponent = 2 * _FP32_BIAS + _MAX_EXPONENT[dtype] - exponent - above_1_75.to(torch.int32)
     scale = (scale_exponent << _MANTISSA_BITS).view(torch.float32)
     return torch.where(torch.isfinite(a), scale, torch.where(torch.isnan(a), a, torch.zeros_like(a)))
 
