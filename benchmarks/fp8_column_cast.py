@@ -100,6 +100,84 @@ def _cast_by_columns(t, dtype, block):
     return out, scales
 
 
+# (columns a program, rows a step of its loops, programs a block of columns, warps)
+SEGMENTED = [(16, 256, 4, 4), (16, 256, 8, 4), (32, 128, 4, 4), (32, 256, 8, 8), (64, 64, 8, 4), (16, 128, 16, 4)]
+_SPIN_LIMIT = 1 << 20  # a program waits at most this many reads of the count for its block's others
+
+
+@functools.cache
+def _segmented_kernel():
+    """The same cast with the rows of each block of columns split among ``SEGMENTS`` programs, launched next
+    to each other: each reduces its rows' amax into the block's (an atomic max on the amax's bits, which
+    orders non-negative floats, nan above inf), counts itself arrived, waits for the others, and casts its
+    rows from L2. A program that waits past ``_SPIN_LIMIT`` goes on with what has arrived (wrong bits,
+    which the check counts, rather than a hung GPU)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def segmented_kernel(src, dst, scales, amax_bits, arrived, rows, cols, MAX_EXPONENT: tl.constexpr,
+                         MANTISSA_OF_1_75: tl.constexpr, FLOOR: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+                         SEGMENTS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+        segment, block = tl.program_id(0), tl.program_id(1)  # a block's segments launched one after the other
+        c = block * BLOCK_C + tl.arange(0, BLOCK_C)
+        in_cols = c < cols
+        per_segment = tl.cdiv(tl.cdiv(rows, SEGMENTS), BLOCK_R) * BLOCK_R
+        first, last = segment * per_segment, tl.minimum(rows, (segment + 1) * per_segment)
+        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+        has_nan = tl.zeros([BLOCK_C], dtype=tl.int32)
+        for r0 in range(first, last, BLOCK_R):
+            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+            inside = (r[:, None] < last) & in_cols[None, :]
+            x = tl.load(src + r[:, None] * cols + c[None, :], mask=inside, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+            has_nan = tl.maximum(has_nan, tl.max((x != x).to(tl.int32), axis=0))
+        bits = tl.where(has_nan > 0, 0x7FC00000, amax.to(tl.int32, bitcast=True))
+        tl.atomic_max(amax_bits + c, bits, mask=in_cols)
+        tl.atomic_add(arrived + block, 1)
+        count = tl.atomic_add(arrived + block, 0)
+        spins = 0
+        while (count < SEGMENTS) & (spins < SPIN_LIMIT):
+            count = tl.atomic_add(arrived + block, 0)
+            spins += 1
+        bits = tl.atomic_max(amax_bits + c, 0, mask=in_cols)  # (a read)
+        amax = bits.to(tl.float32, bitcast=True)
+        a = tl.maximum(amax, FLOOR)
+        a_bits = a.to(tl.int32, bitcast=True)
+        exponent = (a_bits >> 23) & 0xFF
+        above_1_75 = ((a_bits & 0x7FFFFF) > MANTISSA_OF_1_75).to(tl.int32)
+        scale = ((2 * 127 + MAX_EXPONENT - exponent - above_1_75) << 23).to(tl.float32, bitcast=True)
+        scale = tl.where(exponent == 0xFF, 0.0, scale)
+        scale = tl.where(bits > 0x7F800000, float("nan"), scale)
+        if segment == 0:
+            tl.store(scales + c, scale, mask=in_cols)
+        for r0 in range(first, last, BLOCK_R):
+            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+            inside = (r[:, None] < last) & in_cols[None, :]
+            x = tl.load(src + r[:, None] * cols + c[None, :], mask=inside, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            y = (x * scale[None, :]).to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(dst + c[None, :].to(tl.int64) * rows + r[:, None], y, mask=inside)
+
+    return segmented_kernel
+
+
+def cast_columns_segmented(t, block=SEGMENTED[0]):
+    """``cast_columns`` with each block of columns' rows split among programs (``_segmented_kernel``)."""
+    columns, step, segments, warps = block
+    rows, cols = t.shape
+    out = torch.empty((cols, rows), dtype=fp8.E4M3, device=t.device)
+    scales = torch.empty((cols,), dtype=torch.float32, device=t.device)
+    blocks = -(-cols // columns)
+    amax_bits = torch.zeros((cols,), dtype=torch.int32, device=t.device)
+    arrived = torch.zeros((blocks,), dtype=torch.int32, device=t.device)
+    _segmented_kernel()[(segments, blocks)](
+        t, out, scales, amax_bits, arrived, rows, cols, MAX_EXPONENT=fp8._MAX_EXPONENT[fp8.E4M3],
+        MANTISSA_OF_1_75=fp8._MANTISSA_OF_1_75, FLOOR=fp8.AMAX_FLOOR, SPIN_LIMIT=_SPIN_LIMIT, SEGMENTS=segments,
+        BLOCK_C=columns, BLOCK_R=step, num_warps=warps)
+    return out, fp8.inverse_scale(scales[:, None])
+
+
 def cast_columns(t, block=BLOCKS[0]):
     """``before(t)``'s ``(t cast by columns in e4m3, transposed; the inverse scales (cols, 1))`` in one kernel."""
     out, scale = _cast_by_columns(t, fp8.E4M3, block)
@@ -121,14 +199,19 @@ def _test_values(rows, cols, device, seed=0):
     return t.to(torch.bfloat16).to(device)
 
 
-def check(shape, device, reference):
-    """Bytes and inverse scales of the kernel that differ from ``reference``'s (nan scales equal)."""
+def check(shape, device, reference, segmented):
+    """Bytes and inverse scales of each kernel that differ from ``reference``'s (nan scales equal); the
+    segmented one with each block shape of ``segmented`` (segments that must wait for each other: one
+    only in the interpreter, which runs programs one at a time)."""
     t = _test_values(*shape, device)
     want, want_inv = reference(t)
-    got, got_inv = cast_columns(t)
-    same_scale = (got_inv == want_inv) | (got_inv.isnan() & want_inv.isnan())
-    return dict(shape=list(shape), differing_bytes=int((got.view(torch.uint8) != want.view(torch.uint8)).sum()),
-                differing_scales=int((~same_scale).sum()))
+    row = dict(shape=list(shape))
+    kernels = [("one_kernel", cast_columns(t))]
+    kernels += [(f"segmented_{'x'.join(map(str, b))}", cast_columns_segmented(t, b)) for b in segmented]
+    for name, (got, got_inv) in kernels:
+        same_scale = (got_inv == want_inv) | (got_inv.isnan() & want_inv.isnan())
+        row[f"{name}_differing"] = [int((got.view(torch.uint8) != want.view(torch.uint8)).sum()), int((~same_scale).sum())]
+    return row
 
 
 def _graph_us(fn, calls):
@@ -149,25 +232,30 @@ def _graph_us(fn, calls):
     return statistics.median(times)
 
 
-def _median_us(fn, calls=20):
-    """GPU µs of one call of ``fn`` with L2 emptied before it (a 256 MiB write, timed alone and taken
-    off), as a tensor a kernel before it wrote in the model is partly in L2 and partly not."""
-    flush = torch.empty(64 << 20, dtype=torch.float32, device="cuda")
+def _median_us(fn, before_each, calls=20):
+    """GPU µs of one call of ``fn`` after ``before_each`` (timed alone and taken off)."""
     for _ in range(3):  # (compiled, autotuned, allocated before capture)
         fn()
     torch.cuda.synchronize()
-    flushed = _graph_us(lambda: (flush.zero_(), fn()), calls)
-    return (flushed - _graph_us(flush.zero_, calls)) / calls
+    return (_graph_us(lambda: (before_each(), fn()), calls) - _graph_us(before_each, calls)) / calls
 
 
-def time_shape(shape):
+def time_shape(shape, mode):
+    """µs of each form on ``shape``. ``mode``: "flushed", L2 emptied before each call (a 256 MiB write); or
+    "produced", ``t`` written just before (``t *= 1``), partly in L2 as after the kernel that produces it
+    in the model."""
     t = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    flush = torch.empty(64 << 20, dtype=torch.float32, device="cuda")
+    before_each = flush.zero_ if mode == "flushed" else lambda: t.mul_(1)
     compiled_before = torch.compile(before)
     plain_cast = torch.compile(lambda t: t.to(fp8.E4M3))  # one read of bf16, one write of e4m3
-    row = dict(shape=list(shape), mb_bf16=t.numel() * 2 / 2**20, before_us=_median_us(lambda: compiled_before(t)),
-               plain_cast_us=_median_us(lambda: plain_cast(t)))
-    for block in BLOCKS:
-        row[f"one_kernel_{block[0]}x{block[1]}w{block[2]}_us"] = _median_us(lambda: cast_columns(t, block))
+    row = dict(shape=list(shape), mode=mode, mb_bf16=t.numel() * 2 / 2**20,
+               before_us=_median_us(lambda: compiled_before(t), before_each),
+               plain_cast_us=_median_us(lambda: plain_cast(t), before_each))
+    for block in BLOCKS if mode == "flushed" else BLOCKS[:2]:
+        row[f"one_kernel_{block[0]}x{block[1]}w{block[2]}_us"] = _median_us(lambda: cast_columns(t, block), before_each)
+    for block in SEGMENTED:
+        row[f"segmented_{'x'.join(map(str, block))}_us"] = _median_us(lambda: cast_columns_segmented(t, block), before_each)
     return row
 
 
@@ -180,16 +268,17 @@ def main():
     device = "cpu" if interpreted else "cuda"
     reference = before if interpreted else torch.compile(before)
     shapes = [(64, 48), (200, 40), (33, 17)] if interpreted else SHAPES
-    results = dict(checks=[check(shape, device, reference) for shape in shapes], timings=[])
+    segmented = [(16, 32, 1, 4)] if interpreted else SEGMENTED
+    results = dict(checks=[check(shape, device, reference, segmented) for shape in shapes], timings=[])
     for row in results["checks"]:
-        print(f"{str(tuple(row['shape'])):>14}  differing from before: bytes {row['differing_bytes']}, "
-              f"scales {row['differing_scales']}")
+        print(f"{str(tuple(row['shape'])):>14}  differing from before (bytes, scales): "
+              + "  ".join(f"{k.removesuffix('_differing')} {v}" for k, v in row.items() if k != "shape"))
     if not (args.check_only or interpreted):
         results["device"] = torch.cuda.get_device_name()
-        for shape in SHAPES:
-            row = time_shape(shape)
+        for mode, shape in [(mode, shape) for mode in ("produced", "flushed") for shape in SHAPES]:
+            row = time_shape(shape, mode)
             results["timings"].append(row)
-            print(f"{str(tuple(shape)):>14}  " + "  ".join(f"{k.removesuffix('_us')} {v:.1f}" for k, v in row.items()
+            print(f"{str(tuple(shape)):>14} {mode}  " + "  ".join(f"{k.removesuffix('_us')} {v:.1f}" for k, v in row.items()
                                                           if k.endswith("_us")))
     if args.out:
         with open(args.out, "w") as f:
