@@ -30,12 +30,13 @@ torch's cast and the GPU's ``cvt.rn`` give 3.0).
 """
 
 import argparse
-import functools
 import json
 import os
 import statistics
 
 import torch
+import triton
+import triton.language as tl
 
 from flash_inductor import fp8_linear
 from flash_inductor.formats import fp8
@@ -45,143 +46,126 @@ from flash_inductor.formats import fp8
 SHAPES = [(8192, 2048), (8192, 5632), (5632, 2048), (2048, 5632), (2048, 2048)]
 # (columns a program, rows a step of its loops, warps)
 BLOCKS = [(16, 256, 4), (16, 512, 8), (32, 256, 4), (32, 128, 4), (64, 128, 8), (8, 512, 4)]
-before = fp8_linear._quantize_columns
-
-
-@functools.cache
-def _cast_by_columns_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def cast_by_columns_kernel(src, dst, scales, rows, cols, MAX_EXPONENT: tl.constexpr, MANTISSA_OF_1_75: tl.constexpr,
-                               FLOOR: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        in_cols = c < cols
-        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-        has_nan = tl.zeros([BLOCK_C], dtype=tl.int32)
-        for r0 in range(0, rows, BLOCK_R):  # the columns' amax; their rows stay in L2 for the second pass
-            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-            inside = (r[:, None] < rows) & in_cols[None, :]
-            x = tl.load(src + r[:, None] * cols + c[None, :], mask=inside, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-            has_nan = tl.maximum(has_nan, tl.max((x != x).to(tl.int32), axis=0))
-        # formats.fp8.scale_from_amax(amax, power_of_two=True), its formula on the bits of max(amax, AMAX_FLOOR)
-        # (_power_of_two_scale): no division; an infinite amax gives 0 and a nan gives nan
-        a = tl.maximum(amax, FLOOR)
-        bits = a.to(tl.int32, bitcast=True)
-        exponent = (bits >> 23) & 0xFF
-        above_1_75 = ((bits & 0x7FFFFF) > MANTISSA_OF_1_75).to(tl.int32)
-        scale = ((2 * 127 + MAX_EXPONENT - exponent - above_1_75) << 23).to(tl.float32, bitcast=True)
-        scale = tl.where(exponent == 0xFF, 0.0, scale)
-        scale = tl.where(has_nan > 0, float("nan"), scale)
-        tl.store(scales + c, scale, mask=in_cols)
-        for r0 in range(0, rows, BLOCK_R):
-            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-            inside = (r[:, None] < rows) & in_cols[None, :]
-            x = tl.load(src + r[:, None] * cols + c[None, :], mask=inside, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            # rounded as transpose_kernel rounds (cvt.rn.satfinite)
-            y = (x * scale[None, :]).to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
-            tl.store(dst + c[None, :].to(tl.int64) * rows + r[:, None], y, mask=inside)
-
-    return cast_by_columns_kernel
-
-
-def _cast_by_columns(t, dtype, block):
-    columns, step, warps = block
-    rows, cols = t.shape
-    out = torch.empty((cols, rows), dtype=dtype, device=t.device)
-    scales = torch.empty((cols,), dtype=torch.float32, device=t.device)
-    _cast_by_columns_kernel()[(-(-cols // columns),)](
-        t, out, scales, rows, cols, MAX_EXPONENT=fp8._MAX_EXPONENT[dtype], MANTISSA_OF_1_75=fp8._MANTISSA_OF_1_75,
-        FLOOR=fp8.AMAX_FLOOR, BLOCK_C=columns, BLOCK_R=step, num_warps=warps)
-    return out, scales
-
-
 # (columns a program, rows a step of its loops, programs a block of columns, warps)
 SEGMENTED = [(16, 256, 4, 4), (16, 256, 8, 4), (32, 128, 4, 4), (32, 256, 8, 8), (64, 64, 8, 4), (16, 128, 16, 4)]
 _SPIN_LIMIT = 1 << 20  # a program waits at most this many reads of the count for its block's others
+before = fp8_linear._quantize_columns
 
 
-@functools.cache
-def _segmented_kernel():
-    """The same cast with the rows of each block of columns split among ``SEGMENTS`` programs, launched next
-    to each other: each reduces its rows' amax into the block's (an atomic max on the amax's bits, which
-    orders non-negative floats, nan above inf), counts itself arrived, waits for the others, and casts its
-    rows from L2. A program that waits past ``_SPIN_LIMIT`` goes on with what has arrived (wrong bits,
-    which the check counts, rather than a hung GPU)."""
-    import triton
-    import triton.language as tl
+@triton.jit
+def column_amax(src, c, in_cols, first, last, cols, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The amax of columns ``c`` over rows [first, last) and whether they hold a nan."""
+    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+    has_nan = tl.zeros([BLOCK_C], dtype=tl.int32)
+    for r0 in range(first, last, BLOCK_R):  # their rows stay in L2 for the second pass
+        r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        inside = (r[:, None] < last) & in_cols[None, :]
+        x = tl.load(src + r[:, None] * cols + c[None, :], mask=inside, other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+        has_nan = tl.maximum(has_nan, tl.max((x != x).to(tl.int32), axis=0))
+    return amax, has_nan > 0
 
-    @triton.jit
-    def segmented_kernel(src, dst, scales, amax_bits, arrived, rows, cols, MAX_EXPONENT: tl.constexpr,
-                         MANTISSA_OF_1_75: tl.constexpr, FLOOR: tl.constexpr, SPIN_LIMIT: tl.constexpr,
-                         SEGMENTS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-        segment, block = tl.program_id(0), tl.program_id(1)  # a block's segments launched one after the other
-        c = block * BLOCK_C + tl.arange(0, BLOCK_C)
-        in_cols = c < cols
-        per_segment = tl.cdiv(tl.cdiv(rows, SEGMENTS), BLOCK_R) * BLOCK_R
-        first, last = segment * per_segment, tl.minimum(rows, (segment + 1) * per_segment)
-        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-        has_nan = tl.zeros([BLOCK_C], dtype=tl.int32)
-        for r0 in range(first, last, BLOCK_R):
-            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-            inside = (r[:, None] < last) & in_cols[None, :]
-            x = tl.load(src + r[:, None] * cols + c[None, :], mask=inside, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-            has_nan = tl.maximum(has_nan, tl.max((x != x).to(tl.int32), axis=0))
-        bits = tl.where(has_nan > 0, 0x7FC00000, amax.to(tl.int32, bitcast=True))
-        tl.atomic_max(amax_bits + c, bits, mask=in_cols)
-        tl.atomic_add(arrived + block, 1)
+
+@triton.jit
+def power_of_two_scale(amax, is_nan, MAX_EXPONENT: tl.constexpr, MANTISSA_OF_1_75: tl.constexpr,
+                       FLOOR: tl.constexpr):
+    """formats.fp8.scale_from_amax(amax, power_of_two=True): _power_of_two_scale's formula on the bits of
+    max(amax, AMAX_FLOOR), no division; an infinite amax gives 0 and a nan gives nan."""
+    bits = tl.maximum(amax, FLOOR).to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    above_1_75 = ((bits & 0x7FFFFF) > MANTISSA_OF_1_75).to(tl.int32)
+    scale = ((2 * 127 + MAX_EXPONENT - exponent - above_1_75) << 23).to(tl.float32, bitcast=True)
+    return tl.where(is_nan, float("nan"), tl.where(exponent == 0xFF, 0.0, scale))
+
+
+@triton.jit
+def cast_transposed(src, dst, scale, c, in_cols, first, last, rows, cols, BLOCK_R: tl.constexpr):
+    """Rows [first, last) of columns ``c`` times their scales, rounded as transpose_kernel rounds
+    (cvt.rn.satfinite), stored transposed."""
+    for r0 in range(first, last, BLOCK_R):
+        r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        inside = (r[:, None] < last) & in_cols[None, :]
+        x = tl.load(src + r[:, None] * cols + c[None, :], mask=inside, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        y = (x * scale[None, :]).to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(dst + c[None, :].to(tl.int64) * rows + r[:, None], y, mask=inside)
+
+
+@triton.jit
+def one_kernel(src, dst, scales, rows, cols, MAX_EXPONENT: tl.constexpr, MANTISSA_OF_1_75: tl.constexpr,
+               FLOOR: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A program per block of columns, two passes over all their rows."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_cols = c < cols
+    amax, is_nan = column_amax(src, c, in_cols, 0, rows, cols, BLOCK_C, BLOCK_R)
+    scale = power_of_two_scale(amax, is_nan, MAX_EXPONENT, MANTISSA_OF_1_75, FLOOR)
+    tl.store(scales + c, scale, mask=in_cols)
+    cast_transposed(src, dst, scale, c, in_cols, 0, rows, rows, cols, BLOCK_R)
+
+
+@triton.jit
+def segmented_kernel(src, dst, scales, amax_bits, arrived, rows, cols, MAX_EXPONENT: tl.constexpr,
+                     MANTISSA_OF_1_75: tl.constexpr, FLOOR: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+                     SEGMENTS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The rows of each block of columns split among ``SEGMENTS`` programs launched next to each other: each
+    reduces its rows' amax into the block's (an atomic max on the amax's bits, which orders non-negative
+    floats, nan above inf), counts itself arrived, waits for the others, and casts its rows. A program that
+    waits past ``SPIN_LIMIT`` reads goes on with what has arrived (wrong bits, which the check counts,
+    rather than a hung GPU)."""
+    segment, block = tl.program_id(0), tl.program_id(1)  # a block's segments launched one after the other
+    c = block * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_cols = c < cols
+    per_segment = tl.cdiv(tl.cdiv(rows, SEGMENTS), BLOCK_R) * BLOCK_R
+    first, last = segment * per_segment, tl.minimum(rows, (segment + 1) * per_segment)
+    amax, is_nan = column_amax(src, c, in_cols, first, last, cols, BLOCK_C, BLOCK_R)
+    tl.atomic_max(amax_bits + c, tl.where(is_nan, 0x7FC00000, amax.to(tl.int32, bitcast=True)), mask=in_cols)
+    tl.atomic_add(arrived + block, 1)
+    count = tl.atomic_add(arrived + block, 0)
+    spins = 0
+    while (count < SEGMENTS) & (spins < SPIN_LIMIT):
         count = tl.atomic_add(arrived + block, 0)
-        spins = 0
-        while (count < SEGMENTS) & (spins < SPIN_LIMIT):
-            count = tl.atomic_add(arrived + block, 0)
-            spins += 1
-        bits = tl.atomic_max(amax_bits + c, 0, mask=in_cols)  # (a read)
-        amax = bits.to(tl.float32, bitcast=True)
-        a = tl.maximum(amax, FLOOR)
-        a_bits = a.to(tl.int32, bitcast=True)
-        exponent = (a_bits >> 23) & 0xFF
-        above_1_75 = ((a_bits & 0x7FFFFF) > MANTISSA_OF_1_75).to(tl.int32)
-        scale = ((2 * 127 + MAX_EXPONENT - exponent - above_1_75) << 23).to(tl.float32, bitcast=True)
-        scale = tl.where(exponent == 0xFF, 0.0, scale)
-        scale = tl.where(bits > 0x7F800000, float("nan"), scale)
-        if segment == 0:
-            tl.store(scales + c, scale, mask=in_cols)
-        for r0 in range(first, last, BLOCK_R):
-            r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-            inside = (r[:, None] < last) & in_cols[None, :]
-            x = tl.load(src + r[:, None] * cols + c[None, :], mask=inside, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            y = (x * scale[None, :]).to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
-            tl.store(dst + c[None, :].to(tl.int64) * rows + r[:, None], y, mask=inside)
+        spins += 1
+    bits = tl.atomic_max(amax_bits + c, 0, mask=in_cols)  # (a read)
+    scale = power_of_two_scale(bits.to(tl.float32, bitcast=True), bits > 0x7F800000, MAX_EXPONENT,
+                               MANTISSA_OF_1_75, FLOOR)
+    if segment == 0:
+        tl.store(scales + c, scale, mask=in_cols)
+    cast_transposed(src, dst, scale, c, in_cols, first, last, rows, cols, BLOCK_R)
 
-    return segmented_kernel
+
+_FORMAT = dict(MAX_EXPONENT=fp8._MAX_EXPONENT[fp8.E4M3], MANTISSA_OF_1_75=fp8._MANTISSA_OF_1_75, FLOOR=fp8.AMAX_FLOOR)
+
+
+def _outputs(t):
+    """Empty ``(t cast by columns, transposed; its scales)``."""
+    rows, cols = t.shape
+    return (torch.empty((cols, rows), dtype=fp8.E4M3, device=t.device),
+            torch.empty((cols,), dtype=torch.float32, device=t.device))
 
 
 def cast_columns_segmented(t, block=SEGMENTED[0]):
-    """``cast_columns`` with each block of columns' rows split among programs (``_segmented_kernel``)."""
+    """``cast_columns`` with each block of columns' rows split among programs."""
     columns, step, segments, warps = block
     rows, cols = t.shape
-    out = torch.empty((cols, rows), dtype=fp8.E4M3, device=t.device)
-    scales = torch.empty((cols,), dtype=torch.float32, device=t.device)
+    out, scales = _outputs(t)
     blocks = -(-cols // columns)
     amax_bits = torch.zeros((cols,), dtype=torch.int32, device=t.device)
     arrived = torch.zeros((blocks,), dtype=torch.int32, device=t.device)
-    _segmented_kernel()[(segments, blocks)](
-        t, out, scales, amax_bits, arrived, rows, cols, MAX_EXPONENT=fp8._MAX_EXPONENT[fp8.E4M3],
-        MANTISSA_OF_1_75=fp8._MANTISSA_OF_1_75, FLOOR=fp8.AMAX_FLOOR, SPIN_LIMIT=_SPIN_LIMIT, SEGMENTS=segments,
-        BLOCK_C=columns, BLOCK_R=step, num_warps=warps)
+    segmented_kernel[(segments, blocks)](t, out, scales, amax_bits, arrived, rows, cols, **_FORMAT,
+                                         SPIN_LIMIT=_SPIN_LIMIT, SEGMENTS=segments, BLOCK_C=columns, BLOCK_R=step,
+                                         num_warps=warps)
     return out, fp8.inverse_scale(scales[:, None])
 
 
 def cast_columns(t, block=BLOCKS[0]):
     """``before(t)``'s ``(t cast by columns in e4m3, transposed; the inverse scales (cols, 1))`` in one kernel."""
-    out, scale = _cast_by_columns(t, fp8.E4M3, block)
-    return out, fp8.inverse_scale(scale[:, None])
+    columns, step, warps = block
+    rows, cols = t.shape
+    out, scales = _outputs(t)
+    one_kernel[(-(-cols // columns),)](t, out, scales, rows, cols, **_FORMAT, BLOCK_C=columns, BLOCK_R=step,
+                                       num_warps=warps)
+    return out, fp8.inverse_scale(scales[:, None])
 
 
 def _test_values(rows, cols, device, seed=0):
