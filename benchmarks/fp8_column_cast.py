@@ -10,17 +10,22 @@ columns, passes over all their rows for the amax, computes the power-of-two scal
 (``formats.fp8._power_of_two_scale``'s formula on the amax's bits), and passes again to cast and store
 the block transposed; the second pass is meant to find its rows in L2, so that the tensor is read
 from memory once. But a program per block of columns is 128 to 352 programs for the Llama's tensors,
-each looping over all rows twice: on an H100 it was slower than the two kernels on most shapes, and
-the Llama cut to 2 layers ran 18.9 ms a step with it against 17.6 without
-(``fp8_column_cast_h100.log``, ``hf_clients_llama2l_rowwise_profile_bycolumns_h100.log``).
+each looping over all rows twice: in the Llama cut to 2 layers on an H100 it took 63 µs a tensor
+where the two kernels take 34, and the step 18.9 ms against 17.6 (``fp8_column_cast_h100.log``, an
+earlier version of this script; ``hf_clients_llama2l_rowwise_profile_bycolumns_h100.log``).
+
+The segmented form splits each block of columns' rows among programs launched together, which wait
+for each other's amax (``segmented_kernel``). It keeps the bits and, on the H200, beats the two kernels
+compiled alone (8192 x 2048: 42.6 against 59.1 µs); but alone the two kernels take about twice their
+time in the model, so it was not put in the product (``fp8_column_cast_segmented_h200.log``).
 
 On a GPU it checks the bits against ``before`` (compiled, as the model runs it) on the shapes of HF
 Llama-1B's layer and on values that reach every case of the scale (zero columns, an inf, a nan, the
-largest and smallest amaxes), then times both, the kernel at a few block shapes, and a plain cast of
-the same tensor (one read, one write: the bound), each in a CUDA graph with L2 emptied before every
-call::
+largest and smallest amaxes), then times both forms at a few block shapes, ``before`` and a plain cast
+of the same tensor (one read, one write: the bound), each in a CUDA graph, after a write of the tensor
+as its producer's and with L2 emptied::
 
-    python benchmarks/fp8_column_cast.py --out benchmarks/results/fp8_column_cast_h100.json
+    python benchmarks/fp8_column_cast.py --out benchmarks/results/fp8_column_cast_segmented_h200.json
 
 On a machine without a GPU, ``TRITON_INTERPRET=1 python benchmarks/fp8_column_cast.py --check-only``
 runs the kernel in Triton's interpreter on small shapes against the CPU's cast: the scales must match
