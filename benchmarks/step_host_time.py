@@ -1,14 +1,15 @@
 """Host time at the start of a ``train_step``: what runs before its compiled graph is entered.
 
 A 16-layer HF Llama of hidden 64 (147 parameters, as the ~1B Llama of ``hf_clients.py`` has) trained
-through ``@flash_inductor.train_step`` with a gradient clip (``hf_clients.make_step``'s step), on the
-CPU: the step's compute is small, so what the host does before the first graph shows. Prints, for
-one profiled step, the offsets of the first events (Dynamo's guard lookup, the compiled region, the
-compiled graph's call) and the number of guards of each frame Dynamo compiled. Then, without the
-profiler, the median offset at which the first compiled graph is entered over ``--calls`` steps, for
-this step and for the form of ``hf_clients.py``'s baseline (``torch.compile`` of the loss; backward,
-clip and fused AdamW eager) on a fresh model of the same shape, bf16 as this one (the benchmark's
-baseline keeps fp32 weights under autocast). Writes them as JSON with ``--out``.
+through ``@flash_inductor.train_step`` with a gradient clip (``hf_clients.make_step``'s step on
+``hf_clients.loss_function``'s loss, as the benchmark's rows), on the CPU: the step's compute is small,
+so what the host does before the first graph shows. Prints, for one profiled step, the offsets of the
+first events (Dynamo's guard lookup, the compiled region, the compiled graph's call) and the number of
+guards of each frame Dynamo compiled. Then, without the profiler, the median offset at which the first
+compiled graph is entered over ``--calls`` steps, for this step and for the form of ``hf_clients.py``'s
+baseline (``torch.compile`` of the loss; backward, clip and fused AdamW eager) on a fresh model of the
+same shape, bf16 as this one (the benchmark's baseline keeps fp32 weights under autocast). Writes them
+as JSON with ``--out``.
 ``python benchmarks/step_host_time.py --out benchmarks/results/step_host_time_cpu.json``
 """
 
@@ -20,7 +21,7 @@ import time
 
 import torch
 import transformers
-from hf_clients import make_step
+from hf_clients import loss_function, make_step
 from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 from torch._inductor.output_code import CompiledFxGraph
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -39,7 +40,8 @@ def main():
     config, model = _llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    step = flash_inductor.train_step(make_step(_loss(model), model.parameters(), optimizer, clip=1.0), model=model,
+    loss = loss_function(model, False)
+    step = flash_inductor.train_step(make_step(loss, model.parameters(), optimizer, clip=1.0), model=model,
                                      optimizer=optimizer)
     x = torch.randint(0, config.vocab_size, (1, 16))
     guards = _guards_by_frame(step, x)
@@ -62,8 +64,8 @@ def main():
 
     _, baseline_model = _llama()
     baseline_optimizer = torch.optim.AdamW(baseline_model.parameters(), lr=1e-3, fused=True)
-    baseline_step = make_step(torch.compile(_loss(baseline_model)), baseline_model.parameters(), baseline_optimizer,
-                              clip=1.0)
+    baseline_loss = torch.compile(loss_function(baseline_model, False))
+    baseline_step = make_step(baseline_loss, baseline_model.parameters(), baseline_optimizer, clip=1.0)
     unprofiled = {name: _first_graph_offset_us(run, x, args.calls)
                   for name, run in (("train_step", step), ("baseline", baseline_step))}
     print(f"without the profiler, medians over {args.calls} steps each:")
@@ -73,10 +75,6 @@ def main():
         with open(args.out, "w") as f:
             json.dump(dict(torch=torch.__version__, parameters=parameters, guards_by_frame=guards, first_events=first,
                            calls=args.calls, first_graph_us_without_profiler=unprofiled), f, indent=1)
-
-
-def _loss(model):
-    return lambda x, y: model(input_ids=x, labels=y).loss
 
 
 def _llama():
